@@ -1,0 +1,116 @@
+"""Typed messages between roles, one place, one codec (pydantic JSON over HTTP).
+
+Bulk KV bytes never travel in these messages: they move through the transfer engine.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+# NOTE: every internal HTTP request carries the cluster secret in this header.
+SECRET_HEADER = "X-Mooncake-Secret"
+
+
+class SamplingParams(BaseModel):
+    """How to pick the next token; temperature 0 means greedy."""
+
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    ignore_eos: bool = False
+    eos_token_ids: list[int] = Field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry (every role -> conductor)
+
+
+class InstanceInfo(BaseModel):
+    """What an instance tells the conductor about itself when it registers."""
+
+    instance_id: str
+    role: str  # prefill | decode | store
+    url: str  # HTTP base URL of its internal API
+    transfer_address: str | None = None  # host:port of its transfer engine, if it serves one
+    segment: str | None = None  # name of the registered memory segment others may access
+    model: str | None = None
+
+
+class Heartbeat(BaseModel):
+    """Periodic liveness and load report."""
+
+    instance_id: str
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int | None = None
+
+
+class StoreLocation(BaseModel):
+    """Where a store node's control API and data segment live."""
+
+    instance_id: str
+    url: str
+    transfer_address: str
+    segment: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Conductor -> prefill
+
+
+class PrefillJob(BaseModel):
+    """Prefill this prompt: reuse cached prefix blocks, compute the rest, store new blocks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_keys: list[str]  # chained keys of the prompt's full blocks
+    sampling: SamplingParams
+    store: StoreLocation
+
+
+class PrefillResult(BaseModel):
+    """Outcome of a prefill: the first output token and where the prompt's KV now lives."""
+
+    request_id: str
+    first_token: int
+    cached_tokens: int  # prompt tokens whose KV came from the store instead of compute
+    tail_key: str | None  # store key of the partial last block (None if the prompt fills blocks)
+    block_checksums: list[int]  # CRC32C of each full block, then the tail, in key order
+    prefill_seconds: float
+
+
+# ---------------------------------------------------------------------------------------------
+# Conductor -> decode
+
+
+class DecodeJob(BaseModel):
+    """Load the prompt's KV from the store and decode, streaming tokens back."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int
+    block_keys: list[str]
+    tail_key: str | None
+    block_checksums: list[int]
+    sampling: SamplingParams
+    store: StoreLocation
+
+
+class DecodeEvent(BaseModel):
+    """One line of the decode stream (NDJSON): a token, and the reason if it is the last."""
+
+    token_id: int
+    finish_reason: str | None = None  # "stop" (EOS) | "length"
+    batch_size: int = 1  # size of the forward pass that produced it
+
+
+class ErrorEvent(BaseModel):
+    """A decode stream line reporting a failure instead of a token."""
+
+    error: str
