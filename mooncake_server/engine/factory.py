@@ -1,0 +1,56 @@
+"""Build a model runner for a role from the config: resolve model, dtype, KV pool, threads."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mooncake_server.config import ServerConfig
+from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
+from mooncake_server.engine.model_runner import ModelRunner, load_model, resolve_dtype
+from mooncake_server.model_assets import resolve_model, served_name
+
+log = logging.getLogger(__name__)
+
+BufferFactory = Callable[[int], memoryview | bytearray]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the roles need to know about the served model besides its weights."""
+
+    path: str
+    name: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+
+def max_model_len_of(model_config: object, override: int | None) -> int:
+    """Context window: --max-model-len or the model's max_position_embeddings."""
+    return override or int(getattr(model_config, "max_position_embeddings", 2048))
+
+
+def build_runner(config: ServerConfig, make_buffer: BufferFactory) -> tuple[ModelRunner, ModelInfo]:
+    """Load the model and a KV pool of `config.kv_memory_bytes` from `make_buffer(nbytes)`."""
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    path = resolve_model(config.model)
+    dtype = resolve_dtype(config.dtype, path)
+    model = load_model(path, dtype)
+    layout = KVLayout.from_model_config(model.config, config.block_tokens, dtype)
+    num_blocks = config.kv_memory_bytes // layout.block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"--kv-memory: {config.kv_memory_bytes} bytes hold no KV block "
+                         f"of {layout.block_bytes} bytes")
+    kv = PagedKVCache(layout, make_buffer(num_blocks * layout.block_bytes))
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) or model.config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    info = ModelInfo(path, served_name(config.model, config.served_model_name),
+                     max_model_len_of(model.config, config.max_model_len), eos_ids)
+    log.info("model %s dtype=%s kv_blocks=%d block_bytes=%d", info.name, dtype, kv.num_blocks,
+             layout.block_bytes)
+    return ModelRunner(model, kv), info

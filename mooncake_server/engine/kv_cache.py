@@ -1,0 +1,109 @@
+"""The paged KV cache: one block layout shared by the attention kernels, the store and the wire.
+
+A block holds `block_tokens` tokens of every layer's K and V:
+
+    pool: [num_blocks, num_layers, 2 (K, V), block_tokens, kv_heads, head_dim]   (model dtype)
+
+so block i is one contiguous byte range `[base + i * block_bytes, base + (i + 1) * block_bytes)`.
+The transfer engine moves exactly those bytes to and from the store; nothing is re-packed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one KV block for a given model, block size and dtype."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: torch.dtype
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block: [layers, 2, block_tokens, kv_heads, head_dim]."""
+        return (self.num_layers, 2, self.block_tokens, self.kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block."""
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_tokens)
+
+    @classmethod
+    def from_model_config(cls, config: object, block_tokens: int, dtype: torch.dtype) -> KVLayout:
+        """Derive the layout from a HF model config (Llama/Qwen2/Mistral style attributes)."""
+        heads = config.num_attention_heads  # type: ignore[attr-defined]
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # type: ignore[attr-defined]
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim, block_tokens, dtype)  # type: ignore[attr-defined]
+
+
+class OutOfBlocks(Exception):
+    """Raised when the cache has fewer free blocks than asked for."""
+
+
+class PagedKVCache:
+    """A pool of KV blocks over a caller-provided buffer (shared memory for the transfer engine)."""
+
+    def __init__(self, layout: KVLayout, buffer: memoryview | bytearray | None = None,
+                 num_blocks: int | None = None) -> None:
+        self.layout = layout
+        if buffer is None:
+            if num_blocks is None:
+                raise ValueError("PagedKVCache needs a buffer or num_blocks")
+            buffer = bytearray(num_blocks * layout.block_bytes)
+        self.num_blocks = len(buffer) // layout.block_bytes
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"KV memory of {len(buffer)} bytes holds no block of {layout.block_bytes} bytes")
+        raw = torch.frombuffer(buffer, dtype=torch.uint8, count=self.num_blocks * layout.block_bytes)
+        # NOTE: keep the buffer alive as long as the tensor views into it.
+        self._buffer = buffer
+        self.pool = raw.view(layout.dtype).view(self.num_blocks, *layout.block_shape)
+        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
+
+    @property
+    def base_addr(self) -> int:
+        """Address of block 0 (registered with the transfer engine)."""
+        return self.pool.data_ptr()
+
+    @property
+    def num_free(self) -> int:
+        """Blocks not held by any sequence."""
+        return len(self._free)
+
+    def block_addr(self, block_id: int) -> int:
+        """Absolute address of a block's first byte."""
+        return self.base_addr + block_id * self.layout.block_bytes
+
+    def block_bytes_view(self, block_id: int) -> memoryview:
+        """A zero-copy view of one block's bytes."""
+        bb = self.layout.block_bytes
+        return memoryview(self._buffer)[block_id * bb:(block_id + 1) * bb]
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free blocks or raise OutOfBlocks without taking any."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, block_ids: list[int]) -> None:
+        """Return blocks to the pool."""
+        self._free.extend(reversed(block_ids))
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one layer's K and V: each [num_blocks, block_tokens, kv_heads, head_dim]."""
+        return self.pool[:, layer, 0], self.pool[:, layer, 1]

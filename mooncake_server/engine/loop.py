@@ -1,0 +1,198 @@
+"""Continuous batching: sequences join and leave between forward passes.
+
+A sequence walks: submit() -> waiting -> running (in every step until it finishes) -> finished.
+Each step packs every running sequence's next token plus, within `prefill_chunk_tokens`, chunks of
+prompts still being prefilled (colocated mode), into ONE forward pass. Block allocation and all
+bookkeeping happen on the event loop; only `ModelRunner.step` runs in the executor thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from mooncake_server.engine.kv_cache import OutOfBlocks
+from mooncake_server.engine.model_runner import ModelRunner, StepItem
+from mooncake_server.engine.sampler import sample_token
+from mooncake_server.engine.sequence import Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+class EngineMetrics:
+    """Prometheus series of one engine loop."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.batch_size = Histogram(
+            "mooncake_engine_batch_size", "Sequences per forward pass", registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self.max_batch_size = Gauge(
+            "mooncake_engine_max_batch_size", "Largest batch seen so far", registry=registry)
+        self.step_seconds = Histogram(
+            "mooncake_engine_step_seconds", "Forward pass wall time", registry=registry)
+        self.tokens = Counter(
+            "mooncake_engine_generated_tokens", "Tokens sampled", registry=registry)
+        self.running = Gauge("mooncake_engine_running", "Running sequences", registry=registry)
+        self.waiting = Gauge("mooncake_engine_waiting", "Waiting sequences", registry=registry)
+        self.free_blocks = Gauge("mooncake_engine_free_kv_blocks", "Free KV blocks",
+                                 registry=registry)
+
+
+class EngineLoop:
+    """Owns the running batch of a decode (or colocated) engine."""
+
+    def __init__(self, runner: ModelRunner, executor: ThreadPoolExecutor, metrics: EngineMetrics,
+                 max_batch_size: int, prefill_chunk_tokens: int) -> None:
+        self.runner = runner
+        self.kv = runner.kv
+        self.executor = executor
+        self.metrics = metrics
+        self.max_batch_size = max_batch_size
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._inflight: set[str] = set()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._max_seen = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the step loop on the running event loop."""
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    async def stop(self) -> None:
+        """Stop stepping; unfinished sequences end with an error."""
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for seq in list(self.running) + list(self.waiting):
+            self._finish(seq, error="engine shutting down")
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        """Queue a sequence; its blocks may already hold `num_computed` tokens of KV."""
+        self.waiting.append(seq)
+        self._wake.set()
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop a sequence (client went away); its blocks are freed once no step uses them."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        seq.finish_reason = "cancelled"
+        if seq.request_id not in self._inflight:
+            self._finish(seq)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) counts, for heartbeats."""
+        return len(self.running), len(self.waiting)
+
+    # -- the loop --------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            items = self._schedule()
+            if not items:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            ids = {it.seq.request_id for it in items}
+            self._inflight |= ids
+            try:
+                with self.metrics.step_seconds.time():
+                    logits = await loop.run_in_executor(self.executor, self.runner.step, items)
+            except Exception as exc:  # a failed forward fails its batch, not the server
+                log.exception("forward pass failed")
+                self._inflight -= ids
+                for it in items:
+                    self._finish(it.seq, error=f"forward pass failed: {exc}")
+                continue
+            self._inflight -= ids
+            self._postprocess(items, logits)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            if seq.finish_reason == "cancelled":
+                self.waiting.popleft()
+                self._finish(seq)
+                continue
+            need = self.kv.layout.blocks_for(len(seq.token_ids) + 1) - len(seq.block_ids)
+            if need > self.kv.num_free:
+                break  # wait for running sequences to free blocks
+            if need > 0:
+                seq.block_ids += self.kv.allocate(need)
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+
+    def _schedule(self) -> list[StepItem]:
+        self._admit()
+        items: list[StepItem] = []
+        budget = self.prefill_chunk_tokens
+        bt = self.kv.layout.block_tokens
+        for seq in list(self.running):
+            n = seq.num_pending
+            if n > 1:  # a prompt (chunk) still being prefilled
+                if budget <= 0:
+                    continue
+                n = min(n, budget)
+                budget -= n
+            try:
+                need = -(-(seq.num_computed + n) // bt) - len(seq.block_ids)
+                if need > 0:
+                    seq.block_ids += self.kv.allocate(need)
+            except OutOfBlocks as exc:
+                self._finish(seq, error=f"KV cache full: {exc}")
+                continue
+            items.append(StepItem(seq, n))
+        self.metrics.running.set(len(self.running))
+        self.metrics.waiting.set(len(self.waiting))
+        self.metrics.free_blocks.set(self.kv.num_free)
+        return items
+
+    def _postprocess(self, items: list[StepItem], logits: object) -> None:
+        batch = len(items)
+        self.metrics.batch_size.observe(batch)
+        if batch > self._max_seen:
+            self._max_seen = batch
+            self.metrics.max_batch_size.set(batch)
+        for row, it in enumerate(items):
+            seq = it.seq
+            seq.num_computed += it.num_new
+            if seq.finish_reason == "cancelled":
+                self._finish(seq)
+                continue
+            if seq.num_pending > 0:
+                continue  # more prompt chunks to go
+            token = sample_token(logits[row], seq.sampling, seq.generator)  # type: ignore[index]
+            seq.token_ids.append(token)
+            self.metrics.tokens.inc()
+            reason = seq.finish_reason_after(token)
+            seq.events.put_nowait((token, reason, batch))
+            if reason is not None:
+                seq.finish_reason = reason
+                self._finish(seq)
+
+    def _finish(self, seq: Sequence, error: str | None = None) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if error:
+            seq.error = error
+        seq.status = SeqStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq.block_ids)
+        seq.block_ids = []
+        seq.events.put_nowait(None)
+        self.metrics.free_blocks.set(self.kv.num_free)
