@@ -25,7 +25,6 @@ class ModelInfo:
     path: str
     name: str
     max_model_len: int
-    eos_token_ids: tuple[int, ...]
 
 
 def max_model_len_of(model_config: object, override: int | None) -> int:
@@ -46,11 +45,8 @@ def build_runner(config: ServerConfig, make_buffer: BufferFactory) -> tuple[Mode
         raise ValueError(f"--kv-memory: {config.kv_memory_bytes} bytes hold no KV block "
                          f"of {layout.block_bytes} bytes")
     kv = PagedKVCache(layout, make_buffer(num_blocks * layout.block_bytes))
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) or model.config.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     info = ModelInfo(path, served_name(config.model, config.served_model_name),
-                     max_model_len_of(model.config, config.max_model_len), eos_ids)
+                     max_model_len_of(model.config, config.max_model_len))
     log.info("model %s dtype=%s kv_blocks=%d block_bytes=%d", info.name, dtype, kv.num_blocks,
              layout.block_bytes)
     return ModelRunner(model, kv), info

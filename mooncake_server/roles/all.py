@@ -1,0 +1,160 @@
+"""`--role all`: one conductor, store, prefill and decode as supervised OS processes.
+
+Each child is `python -m mooncake_server --role X` on its own port (conductor on --port, the
+others on --port+1..3), so KV really crosses process boundaries through the transfer engine. The
+cluster secret travels in the environment, never on a command line. A child that dies is restarted
+(with back-off); Ctrl-C / SIGTERM stops every child gracefully, then forcibly after a grace period.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from mooncake_server.config import ServerConfig
+from mooncake_server.model_assets import resolve_model
+
+log = logging.getLogger(__name__)
+
+CHILD_PORT_OFFSETS = {"conductor": 0, "store": 1, "prefill": 2, "decode": 3}
+_GRACE_S = 10.0
+_MAX_RESTARTS = 5
+_RESTART_WINDOW_S = 60.0
+
+
+def child_argv(config: ServerConfig, role: str, model: str) -> list[str]:
+    """Command line of one child role (shared settings forwarded; secret omitted)."""
+    port = config.port + CHILD_PORT_OFFSETS[role]
+    argv = [sys.executable, "-m", "mooncake_server", "--role", role,
+            "--host", config.host if role == "conductor" else "127.0.0.1", "--port", str(port),
+            "--model", model, "--dtype", config.dtype,
+            "--block-tokens", str(config.block_tokens),
+            "--transport", config.transport, "--log-level", config.log_level,
+            "--heartbeat-interval", str(config.heartbeat_interval_s),
+            "--heartbeat-timeout", str(config.heartbeat_timeout_s),
+            "--transfer-timeout", str(config.transfer_timeout_s)]
+    if config.served_model_name:
+        argv += ["--served-model-name", config.served_model_name]
+    if config.max_model_len:
+        argv += ["--max-model-len", str(config.max_model_len)]
+    if role != "conductor":
+        argv += ["--conductor-url", f"http://127.0.0.1:{config.port}"]
+    if role in ("prefill", "decode"):
+        argv += ["--kv-memory", str(config.kv_memory_bytes),
+                 "--max-batch-size", str(config.max_batch_size),
+                 "--prefill-chunk", str(config.prefill_chunk_tokens)]
+        if config.torch_threads:
+            argv += ["--torch-threads", str(config.torch_threads)]
+    if role == "store":
+        argv += ["--memory", str(config.store_memory_bytes)]
+    return argv
+
+
+def _die_with_parent() -> None:
+    # NOTE: PR_SET_PDEATHSIG makes the kernel SIGTERM a child whose supervisor vanished (even on
+    # SIGKILL), so no orphaned role keeps a port.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    """One supervised role process."""
+
+    role: str
+    argv: list[str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self, env: dict[str, str]) -> None:
+        """Spawn (or respawn) the process."""
+        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        log.info("started %s (pid %d)", self.role, self.proc.pid)
+
+
+class Supervisor:
+    """Starts the children, restarts crashed ones, stops them all on a signal."""
+
+    def __init__(self, children: list[Child], env: dict[str, str], health_url: str) -> None:
+        self.children = children
+        self.env = env
+        self.health_url = health_url
+        self._stopping = False
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        log.info("received %s, stopping all roles", signal.Signals(signum).name)
+        self._stopping = True
+
+    def run(self) -> int:
+        """Supervise until a signal arrives or a child keeps crashing; returns an exit code."""
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        for child in self.children:
+            child.start(self.env)
+        ready = False
+        code = 0
+        while not self._stopping:
+            time.sleep(0.2)
+            if not ready and self._healthy():
+                ready = True
+                log.info("ready: OpenAI API at %s", self.health_url.rsplit("/", 1)[0] + "/v1")
+            for child in self.children:
+                assert child.proc is not None
+                rc = child.proc.poll()
+                if rc is None or self._stopping:
+                    continue
+                now = time.monotonic()
+                child.restarts = [t for t in child.restarts if now - t < _RESTART_WINDOW_S]
+                if len(child.restarts) >= _MAX_RESTARTS:
+                    log.error("%s exited %d and keeps crashing; stopping", child.role, rc)
+                    self._stopping, code = True, 1
+                    break
+                log.warning("%s exited with %d; restarting", child.role, rc)
+                child.restarts.append(now)
+                time.sleep(min(2 ** len(child.restarts) * 0.1, 5.0))
+                child.start(self.env)
+        self._stop_all()
+        return code
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=1) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def _stop_all(self) -> None:
+        live = [c.proc for c in self.children if c.proc and c.proc.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _GRACE_S
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("pid %d did not stop in %.0fs; killing", p.pid, _GRACE_S)
+                p.kill()
+                p.wait()
+        log.info("all roles stopped")
+
+
+def run_all(config: ServerConfig) -> None:
+    """Entry point of `--role all`."""
+    # Convert the bundled model once here, so the children do not race to do it.
+    model = resolve_model(config.model)
+    secret = config.cluster_secret or ServerConfig.new_secret()
+    env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": secret}
+    children = [Child(role, child_argv(config, role, model))
+                for role in ("conductor", "store", "prefill", "decode")]
+    health = f"http://{config.public_host}:{config.port}/health"
+    sys.exit(Supervisor(children, env, health).run())
