@@ -65,7 +65,8 @@ def parse_config(argv: Sequence[str] | None = None,
     if env.get("MOONCAKE_CLUSTER_SECRET"):
         values["cluster_secret"] = env["MOONCAKE_CLUSTER_SECRET"]
     if args.config:
-        values.update(load_yaml(args.config))
+        by_flag = {flag[2:].replace("-", "_"): dest for flag, dest, _, _ in _FLAGS}
+        values.update({by_flag.get(k, k): v for k, v in load_yaml(args.config).items()})
     for key, val in vars(args).items():
         if key != "config" and val is not None:
             values[key] = val
