@@ -1,0 +1,218 @@
+"""StoreClient: how prefill and decode put / get KV blocks in one store node.
+
+Control messages go over HTTP to the store role; the bytes move only through the transfer engine,
+one-sided, between the caller's registered memory and the store's registered pool:
+  put: put_start (reserve) -> one engine.transfer() of WRITEs -> put_end (commit), or put_abort
+  get: get (lease) -> one engine.transfer() of READs -> verify CRC32C -> release (always)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from mooncake_server.internal_http import secret_headers
+from mooncake_server.messages import (
+    StoreExistsReply,
+    StoreGet,
+    StoreGetReply,
+    StoreKeys,
+    StoreLocation,
+    StorePutEnd,
+    StorePutEndReply,
+    StorePutStart,
+    StorePutStartReply,
+    StoreRelease,
+    StoreReleaseReply,
+    StoreRemoveReply,
+)
+from mooncake_server.transfer import Op, TransferEngine, TransferError, TransferRequest, crc32c
+
+logger = logging.getLogger(__name__)
+
+_Reply = TypeVar("_Reply", bound=BaseModel)
+# Verifying checksums of more than this many bytes goes to a worker thread (keeps the loop free).
+_INLINE_VERIFY_BYTES = 256 << 10
+
+
+class StoreError(RuntimeError):
+    """A store operation failed: the store is unreachable, refused the call, or a transfer broke."""
+
+
+class ChecksumError(StoreError):
+    """A block read from the store does not match the checksum it was stored with."""
+
+    def __init__(self, key: str, expected: int, actual: int) -> None:
+        """Name the block whose bytes are corrupt."""
+        super().__init__(f"checksum mismatch for block {key}: stored {expected:#010x}, "
+                         f"read {actual:#010x}")
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+
+
+class StoreClient:
+    """Puts, gets, probes and removes blocks in one store node."""
+
+    def __init__(self, location: StoreLocation, engine: TransferEngine, http: httpx.AsyncClient,
+                 secret: str) -> None:
+        """Talk to the store at `location`; `engine` and `http` are owned by the caller."""
+        self._location = location
+        self._engine = engine
+        self._http = http
+        self._headers = secret_headers(secret)
+        self._base = location.url.rstrip("/")
+        self._segment: int | None = None
+        self._segment_lock = asyncio.Lock()
+
+    @property
+    def location(self) -> StoreLocation:
+        """The store node this client talks to."""
+        return self._location
+
+    async def prefix_hits(self, keys: list[str]) -> int:
+        """How many leading keys are present in the store."""
+        if not keys:
+            return 0
+        reply = await self._post("/store/exists", StoreKeys(keys=keys), StoreExistsReply)
+        return reply.prefix
+
+    async def put(self, keys: list[str], addrs: list[int], sizes: list[int],
+                  checksums: list[int]) -> list[bool]:
+        """Write blocks from local registered memory; per key whether it is now in the store.
+
+        A key that was already present (or is being written by another writer) counts as stored;
+        a key the store refused for lack of space does not. On a transfer failure the
+        reservations are aborted and StoreError is raised.
+        """
+        if not len(keys) == len(addrs) == len(sizes) == len(checksums):
+            raise ValueError("put: keys, addrs, sizes and checksums must have the same length")
+        if not keys:
+            return []
+        start = await self._post("/store/put_start", StorePutStart(keys=keys, sizes=sizes),
+                                 StorePutStartReply)
+        if len(start.offsets) != len(keys):
+            raise StoreError(f"put_start: store answered {len(start.offsets)} offsets for "
+                             f"{len(keys)} keys")
+        placed = [i for i, off in enumerate(start.offsets) if off is not None]
+        offsets = [off for off in start.offsets if off is not None]
+        refused = set(start.refused)
+        stored = [key not in refused for key in keys]
+        if not placed:
+            return stored
+        placed_keys = [keys[i] for i in placed]
+        try:
+            handle = await self._segment_handle()
+            await self._engine.transfer([
+                TransferRequest(Op.WRITE, addrs[i], handle, off, sizes[i])
+                for i, off in zip(placed, offsets)
+            ])
+        except BaseException as exc:
+            await self._abort_quietly(placed_keys)
+            if isinstance(exc, (TransferError, OSError)):
+                raise StoreError(f"writing {len(placed)} blocks to store "
+                                 f"{self._location.instance_id} failed: {exc}") from exc
+            raise
+        end = await self._post("/store/put_end",
+                               StorePutEnd(keys=placed_keys, checksums=[checksums[i] for i in placed]),
+                               StorePutEndReply)
+        for i, ok in zip(placed, end.committed):
+            stored[i] = ok
+        return stored
+
+    async def get(self, keys: list[str], addrs: list[int], sizes: list[int]) -> int:
+        """Read the leading present blocks into local registered memory; return how many.
+
+        Every block read is checked against its stored CRC32C (ChecksumError names the first bad
+        one). The lease is released whatever happens.
+        """
+        if not len(keys) == len(addrs) == len(sizes):
+            raise ValueError("get: keys, addrs and sizes must have the same length")
+        if not keys:
+            return 0
+        reply = await self._post("/store/get", StoreGet(keys=keys), StoreGetReply)
+        if reply.found == 0 or reply.lease_id is None:
+            return 0
+        try:
+            n = reply.found
+            for i in range(n):
+                if reply.sizes[i] != sizes[i]:
+                    raise StoreError(f"block {keys[i]} is {reply.sizes[i]} bytes in the store, "
+                                     f"expected {sizes[i]}")
+            handle = await self._segment_handle()
+            try:
+                await self._engine.transfer([
+                    TransferRequest(Op.READ, addrs[i], handle, reply.offsets[i], sizes[i])
+                    for i in range(n)
+                ])
+            except (TransferError, OSError) as exc:
+                raise StoreError(f"reading {n} blocks from store {self._location.instance_id} "
+                                 f"failed: {exc}") from exc
+            args = (keys[:n], addrs[:n], sizes[:n], reply.checksums[:n])
+            if sum(sizes[:n]) > _INLINE_VERIFY_BYTES:
+                await asyncio.to_thread(_verify, *args)
+            else:
+                _verify(*args)
+            return n
+        finally:
+            await self._release_quietly(reply.lease_id)
+
+    async def remove(self, keys: list[str]) -> None:
+        """Remove keys from the store (a key being read goes when its reader is done)."""
+        if keys:
+            await self._post("/store/remove", StoreKeys(keys=keys), StoreRemoveReply)
+
+    async def _segment_handle(self) -> int:
+        # Opened once and cached: the handshake is a round trip we do not want per call.
+        if self._segment is None:
+            async with self._segment_lock:
+                if self._segment is None:
+                    try:
+                        self._segment = await self._engine.open_segment_async(
+                            self._location.transfer_address, self._location.segment)
+                    except (TransferError, OSError) as exc:
+                        raise StoreError(
+                            f"cannot open segment {self._location.segment!r} of store "
+                            f"{self._location.instance_id} at {self._location.transfer_address}: "
+                            f"{exc}") from exc
+        return self._segment
+
+    async def _post(self, path: str, body: BaseModel, reply_type: type[_Reply]) -> _Reply:
+        url = self._base + path
+        try:
+            response = await self._http.post(
+                url, content=body.model_dump_json(),
+                headers={**self._headers, "content-type": "application/json"})
+        except httpx.HTTPError as exc:
+            raise StoreError(f"store {self._location.instance_id} unreachable at {url}: "
+                             f"{exc!r}") from exc
+        if response.status_code != 200:
+            raise StoreError(f"store {path} failed: HTTP {response.status_code}: "
+                             f"{response.text[:300]}")
+        return reply_type.model_validate_json(response.content)
+
+    async def _abort_quietly(self, keys: list[str]) -> None:
+        # The store also frees stale reservations on a timeout, so a failed abort only delays.
+        try:
+            await self._post("/store/put_abort", StoreKeys(keys=keys), StoreRemoveReply)
+        except Exception as exc:  # noqa: BLE001 - never mask the error that made us abort
+            logger.warning("put_abort of %d keys failed: %s", len(keys), exc)
+
+    async def _release_quietly(self, lease_id: str) -> None:
+        # The lease also expires on its own; a failed release only pins blocks a while longer.
+        try:
+            await self._post("/store/release", StoreRelease(lease_id=lease_id), StoreReleaseReply)
+        except Exception as exc:  # noqa: BLE001 - never mask the caller's error
+            logger.warning("releasing lease %s failed: %s", lease_id, exc)
+
+
+def _verify(keys: list[str], addrs: list[int], sizes: list[int], expected: list[int]) -> None:
+    """Raise ChecksumError for the first block whose bytes do not match its stored CRC32C."""
+    for key, addr, size, want in zip(keys, addrs, sizes, expected):
+        got = crc32c(addr, size)
+        if got != want:
+            raise ChecksumError(key, want, got)

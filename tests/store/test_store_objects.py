@@ -1,0 +1,190 @@
+"""The store's object table: put lifecycle, LRU eviction, leases, refusal when full."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_server.store.objects import ObjectTable
+
+BLOCK = 1024
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def put(table: ObjectTable, keys: list[str], size: int = BLOCK) -> list[bool]:
+    """put_start + put_end, returning which keys were placed."""
+    res = table.put_start(keys, [size] * len(keys))
+    placed = [k for k, off in zip(keys, res.offsets) if off is not None]
+    table.put_end(placed, [hash(k) & 0xFFFFFFFF for k in placed])
+    return [off is not None for off in res.offsets]
+
+
+def make(blocks: int = 10, **kw: object) -> tuple[ObjectTable, FakeClock]:
+    clock = FakeClock()
+    table = ObjectTable(BLOCK * blocks, high_watermark=1.0, clock=clock, **kw)  # type: ignore[arg-type]
+    return table, clock
+
+
+def test_put_then_exists_and_get() -> None:
+    table, _ = make()
+    res = table.put_start(["a", "b"], [100, 200])
+    assert all(off is not None for off in res.offsets) and res.refused == []
+    assert table.exists(["a", "b"]) == ([False, False], 0)  # WRITING is not visible yet
+    assert table.put_end(["a", "b"], [11, 22]) == [True, True]
+    assert table.exists(["a", "b", "c", "a"]) == ([True, True, False, True], 2)
+    got = table.get(["a", "b", "c", "a"])
+    assert got.lease_id is not None
+    assert [(o.key, o.size, o.checksum) for o in got.objects] == [("a", 100, 11), ("b", 200, 22)]
+    assert table.stats().hits == 2 and table.stats().misses == 2
+
+
+def test_put_of_present_key_is_a_noop() -> None:
+    table, _ = make()
+    put(table, ["a"])
+    used = table.stats().bytes_used
+    res = table.put_start(["a", "b"], [BLOCK, BLOCK])
+    assert res.offsets[0] is None and res.offsets[1] is not None and res.refused == []
+    assert table.stats().bytes_used == used + BLOCK
+
+
+def test_abort_frees_reservation() -> None:
+    table, _ = make()
+    table.put_start(["a"], [BLOCK])
+    table.put_abort(["a"])
+    assert table.stats().bytes_used == 0 and table.lookup("a") is None
+    assert table.put_end(["a"], [1]) == [False]
+
+
+def test_lru_evicts_least_recently_used_first() -> None:
+    table, _ = make(blocks=3)
+    put(table, ["a", "b", "c"])
+    lease = table.get(["a"]).lease_id  # touch a: b is now the oldest
+    assert lease is not None and table.release(lease)
+    assert put(table, ["d"]) == [True]
+    assert table.exists(["a", "b", "c", "d"])[0] == [True, False, True, True]
+    assert table.stats().evictions == 1
+
+
+def test_high_watermark_evicts_ahead_of_need() -> None:
+    clock = FakeClock()
+    table = ObjectTable(BLOCK * 10, high_watermark=0.5, clock=clock)
+    put(table, [f"k{i}" for i in range(8)])
+    stats = table.stats()
+    assert stats.bytes_used <= BLOCK * 5 and stats.evictions == 3
+    assert table.exists(["k5", "k6", "k7"])[1] == 3  # the newest survive
+
+
+def test_leased_objects_are_never_evicted() -> None:
+    table, _ = make(blocks=4)
+    put(table, ["a", "b", "c", "d"])
+    got = table.get(["a", "b"])
+    assert got.lease_id is not None
+    assert put(table, ["e", "f"]) == [True, True]  # evicts c and d, not the leased a and b
+    assert table.exists(["a", "b", "c", "d", "e", "f"])[0] == [True, True, False, False, True, True]
+    for o in got.objects:
+        assert table.lookup(o.key) is o
+
+
+def test_refuse_when_full_of_leased_data() -> None:
+    table, _ = make(blocks=2)
+    put(table, ["a", "b"])
+    lease = table.get(["a", "b"]).lease_id
+    res = table.put_start(["c", "d"], [BLOCK, BLOCK])
+    assert res.offsets == [None, None] and res.refused == ["c", "d"]
+    assert table.stats().puts_refused == 2
+    assert table.exists(["a", "b"])[1] == 2  # nothing was evicted in vain
+    assert lease is not None and table.release(lease)
+    assert put(table, ["c"]) == [True]
+
+
+def test_oversized_put_is_refused_without_evicting() -> None:
+    table, _ = make(blocks=4)
+    put(table, ["a", "b"])
+    res = table.put_start(["huge"], [BLOCK * 5])
+    assert res.refused == ["huge"] and table.exists(["a", "b"])[1] == 2
+    assert table.stats().evictions == 0
+
+
+def test_writing_objects_are_never_evicted() -> None:
+    table, _ = make(blocks=2)
+    table.put_start(["w1", "w2"], [BLOCK, BLOCK])
+    res = table.put_start(["x"], [BLOCK])
+    assert res.refused == ["x"]
+    assert table.put_end(["w1", "w2"], [1, 2]) == [True, True]
+
+
+def test_expired_leases_are_reaped() -> None:
+    table, clock = make(blocks=2)
+    put(table, ["a", "b"])
+    lease = table.get(["a", "b"], lease_s=5.0).lease_id
+    assert table.stats().active_leases == 1
+    clock.now += 4.9
+    assert table.put_start(["c"], [BLOCK]).refused == ["c"]
+    clock.now += 0.2
+    assert table.reap() == 1
+    assert table.stats().active_leases == 0
+    assert lease is not None and table.release(lease) is False  # late release is harmless
+    assert put(table, ["c"]) == [True]
+
+
+def test_stale_write_reservation_is_reaped() -> None:
+    table, clock = make(blocks=2, write_timeout_s=10.0)
+    table.put_start(["a"], [BLOCK])
+    clock.now += 11
+    assert table.reap() == 1
+    assert table.stats().bytes_used == 0 and table.put_end(["a"], [1]) == [False]
+
+
+def test_remove_waits_for_lease_end() -> None:
+    table, _ = make(blocks=4)
+    put(table, ["a", "b"])
+    lease = table.get(["a"]).lease_id
+    assert table.remove(["a", "b", "zz"]) == 2
+    assert table.exists(["a", "b"])[0] == [False, False]
+    assert table.stats().bytes_used == BLOCK  # a's bytes stay while the reader holds them
+    assert put(table, ["a"]) == [True]  # the key itself is free for a new put
+    assert lease is not None and table.release(lease)
+    assert table.stats().bytes_used == BLOCK  # old a freed, new a stays
+    assert table.exists(["a"])[1] == 1
+
+
+def test_remove_during_write_drops_it_at_put_end() -> None:
+    table, _ = make()
+    table.put_start(["a"], [BLOCK])
+    table.remove(["a"])
+    assert table.put_end(["a"], [1]) == [False]
+    assert table.stats().bytes_used == 0 and table.exists(["a"])[1] == 0
+
+
+def test_bad_arguments_raise() -> None:
+    table, _ = make()
+    with pytest.raises(ValueError):
+        table.put_start(["a"], [1, 2])
+    with pytest.raises(ValueError):
+        table.put_start(["a"], [0])
+    with pytest.raises(ValueError):
+        table.put_end(["a"], [])
+    with pytest.raises(ValueError):
+        table.get(["a"], lease_s=0)
+
+
+def test_exists_256_keys_is_fast() -> None:
+    import time
+
+    table = ObjectTable(1 << 30)
+    keys = [f"key-{i:064x}" for i in range(256)]
+    put(table, keys)
+    start = time.perf_counter()
+    for _ in range(100):
+        flags, prefix = table.exists(keys)
+    per_call = (time.perf_counter() - start) / 100
+    assert prefix == 256 and all(flags)
+    assert per_call < 1e-3
