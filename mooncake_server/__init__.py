@@ -1,0 +1,1 @@
+"""mooncake-server: KVCache-centric disaggregated LLM serving (the Mooncake architecture)."""

@@ -1,0 +1,234 @@
+/* Shared declarations of the mooncake-server transfer engine (no Python here).
+ *
+ * Layout of the native side, one job per file:
+ *   te_crc32c.c  CRC32C (SSE4.2 with a table fallback)
+ *   te_wire.c    deadline-bounded socket I/O, frame encoding, HMAC handshake
+ *   te_server.c  registered regions + the listener serving READ/WRITE/INFO frames
+ *   te_client.c  peers, pooled connections, open_segment, one slice over shm or TCP
+ *   te_batch.c   batches, the request queue and the worker threads
+ *   transfer_engine.c  the CPython module (the only file that touches the GIL)
+ */
+#ifndef MOONCAKE_TE_H
+#define MOONCAKE_TE_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#define TE_MAX_NAME 255
+/* NOTE: a frame never carries more than this; bigger requests are sliced by the client. */
+#define TE_MAX_PAYLOAD (64u << 20)
+#define TE_MSG_LEN 384
+#define TE_NONCE_LEN 32
+#define TE_MAC_LEN 32
+#define TE_BOOT_ID_LEN 40
+#define TE_MAX_SEGMENTS 4096
+#define TE_MAX_SERVER_CONNS 1024
+#define TE_MAX_POOL 64
+#define TE_SOCKET_BUFFER (4 << 20)
+
+enum { TE_OP_INFO = 1, TE_OP_READ = 2, TE_OP_WRITE = 3 };           /* wire ops */
+enum { TE_REQ_READ = 0, TE_REQ_WRITE = 1 };                         /* Python-facing Op */
+enum { TE_STATE_PENDING = 0, TE_STATE_DONE = 1, TE_STATE_FAILED = 2 };
+enum { TE_MODE_AUTO = 0, TE_MODE_SHM = 1, TE_MODE_TCP = 2 };
+enum { TE_TRANSPORT_SHM = 1, TE_TRANSPORT_TCP = 2 };
+
+/* I/O results: 0 ok, negative failure (message in te_err). */
+enum { TE_IO_ERROR = -1, TE_IO_TIMEOUT = -2, TE_IO_CLOSED = -3, TE_IO_STOPPED = -4,
+       TE_REMOTE_ERROR = -5, TE_AUTH_ERROR = -6, TE_PEER_DOWN = -7 };
+
+typedef struct { char msg[TE_MSG_LEN]; } te_err;
+
+void te_err_set(te_err *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+double te_now(void);
+
+/* ---- CRC32C ---------------------------------------------------------------------------- */
+uint32_t te_crc32c(uint32_t crc, const void *buf, size_t len);
+uint32_t te_crc32c_sw(uint32_t crc, const void *buf, size_t len);
+
+/* ---- wire ------------------------------------------------------------------------------- */
+#define TE_REQ_HDR_LEN 32  /* magic u32, op u8, name_len u8, pad u16, offset u64, length u64, pad u64 */
+#define TE_RESP_HDR_LEN 16 /* magic u32, status u32, length u64 */
+#define TE_INFO_LEN (8 + 4 + 4 + 8 + 8 + TE_BOOT_ID_LEN)
+#define TE_FRAME_MAGIC 0x3154434du /* "MCT1" little-endian */
+
+typedef struct {
+    uint8_t op;
+    uint8_t name_len;
+    uint64_t offset;
+    uint64_t length;
+} te_req_hdr;
+
+typedef struct {
+    uint64_t size;
+    uint32_t pid;
+    int32_t fd; /* -1 when the segment is not shareable */
+    uint64_t dev, ino;
+    char boot_id[TE_BOOT_ID_LEN];
+} te_info;
+
+void te_put_u32(uint8_t *p, uint32_t v);
+void te_put_u64(uint8_t *p, uint64_t v);
+uint32_t te_get_u32(const uint8_t *p);
+uint64_t te_get_u64(const uint8_t *p);
+void te_encode_req(uint8_t out[TE_REQ_HDR_LEN], const te_req_hdr *h);
+int te_decode_req(const uint8_t in[TE_REQ_HDR_LEN], te_req_hdr *h);
+void te_encode_resp(uint8_t out[TE_RESP_HDR_LEN], uint32_t status, uint64_t length);
+void te_encode_info(uint8_t out[TE_INFO_LEN], const te_info *info);
+void te_decode_info(const uint8_t in[TE_INFO_LEN], te_info *info);
+
+/* deadline: absolute te_now() seconds, 0 = wait forever; stop_fd readable aborts (-1 = none). */
+int te_wait_fd(int fd, short events, double deadline, int stop_fd, te_err *e);
+int te_recv_all(int fd, void *buf, size_t len, double deadline, int stop_fd, te_err *e);
+int te_send_all(int fd, const struct iovec *iov, int iovcnt, double deadline, int stop_fd,
+                te_err *e);
+int te_handshake_server(int fd, const uint8_t *secret, size_t secret_len, double deadline,
+                        int stop_fd, te_err *e);
+int te_handshake_client(int fd, const uint8_t *secret, size_t secret_len, double deadline,
+                        int stop_fd, te_err *e);
+void te_tune_socket(int fd);
+
+/* ---- engine state ----------------------------------------------------------------------- */
+typedef struct te_region {
+    struct te_region *next;
+    char name[TE_MAX_NAME + 1];
+    uint8_t *addr;
+    size_t len;
+    int shm_fd; /* -1: plain memory, served over TCP only */
+    uint64_t dev, ino;
+    int refs;      /* in-flight users, guarded by regions_mu */
+    int removed;   /* unlinked from the list, waiting for refs to drain */
+    void *owner;   /* opaque owner handle for the binding layer (a Py_buffer) */
+} te_region;
+
+typedef struct te_peer {
+    struct te_peer *next;
+    char label[300]; /* "host:port" as the user wrote it */
+    struct sockaddr_storage addr;
+    socklen_t addrlen;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int idle[TE_MAX_POOL];
+    int n_idle, n_open, max_open;
+    double failed_at; /* monotonic time of the last hard failure, 0 = healthy */
+    char fail_reason[TE_MSG_LEN];
+} te_peer;
+
+typedef struct te_segment {
+    te_peer *peer;
+    char name[TE_MAX_NAME + 1];
+    uint64_t size;
+    int transport;
+    uint8_t *map; /* shm mapping of the peer's segment, NULL for TCP */
+    size_t map_len;
+} te_segment;
+
+struct te_batch;
+
+typedef struct te_request {
+    int op;
+    uint8_t *local;
+    te_segment *seg;
+    uint64_t remote_off, len;
+    te_region *local_region; /* ref held until the request completes */
+    struct te_batch *batch;
+    double submitted_at;
+    uint64_t next_off;   /* dispatch cursor, guarded by queue_mu */
+    int slices_left;     /* atomic */
+    int failed;          /* atomic: later slices skip once set */
+    int state;           /* guarded by batch_mu */
+    char msg[TE_MSG_LEN];/* first failure, guarded by batch_mu */
+    struct te_request *qnext;
+} te_request;
+
+typedef struct te_batch {
+    uint64_t id;
+    size_t cap, n, pending;
+    int freed; /* user called free_batch while requests were in flight */
+    te_request *reqs;
+} te_batch;
+
+typedef struct te_engine {
+    /* config */
+    uint8_t *secret;
+    size_t secret_len;
+    size_t slice_bytes;
+    int conns_per_peer;
+    double timeout_s;
+    char boot_id[TE_BOOT_ID_LEN];
+    int stop_fd;   /* eventfd, readable once the engine is closing */
+    int notify_fd; /* eventfd, bumped whenever a batch completes */
+    int closed;
+
+    /* server */
+    int listen_fd;
+    char host[256];
+    int port;
+    pthread_t listener;
+    int listener_started;
+    pthread_mutex_t conns_mu;
+    pthread_cond_t conns_cv;
+    int n_conns;
+
+    /* registered memory */
+    pthread_mutex_t regions_mu;
+    pthread_cond_t regions_cv;
+    te_region *regions;
+
+    /* client side */
+    pthread_mutex_t peers_mu;
+    te_peer *peers;
+    te_segment *segments[TE_MAX_SEGMENTS];
+    int n_segments;
+
+    /* batches */
+    pthread_mutex_t batch_mu;
+    pthread_cond_t batch_cv;
+    te_batch **slots;
+    size_t n_slots;
+    uint32_t next_gen;
+
+    /* workers */
+    pthread_mutex_t queue_mu;
+    pthread_cond_t queue_cv;
+    te_request *q_head, *q_tail;
+    int stopping;
+    pthread_t *workers;
+    int n_workers;
+} te_engine;
+
+/* te_server.c */
+int te_server_start(te_engine *eng, const char *host, int port, te_err *e);
+void te_server_stop(te_engine *eng);
+int te_region_add(te_engine *eng, te_region *r, te_err *e);
+te_region *te_region_unlink(te_engine *eng, const char *name); /* then te_region_drain */
+void te_region_drain(te_engine *eng, te_region *r);
+te_region *te_region_ref_name(te_engine *eng, const char *name);
+te_region *te_region_ref_addr(te_engine *eng, const uint8_t *addr, uint64_t len);
+void te_region_unref(te_engine *eng, te_region *r);
+
+/* te_client.c */
+/* Returns a handle > 0, or -1 with e set (auth_failed set when the peer refused us). */
+int te_open_segment(te_engine *eng, const char *host, int port, const char *name, int mode,
+                    te_err *e);
+te_segment *te_segment_get(te_engine *eng, int handle);
+int te_run_slice(te_engine *eng, te_request *req, uint64_t off, uint64_t len, te_err *e);
+void te_peers_close(te_engine *eng);
+
+/* te_batch.c */
+int te_workers_start(te_engine *eng, int n, te_err *e);
+void te_workers_stop(te_engine *eng);
+uint64_t te_batch_alloc(te_engine *eng, size_t n, te_err *e);
+te_batch *te_batch_get(te_engine *eng, uint64_t id); /* batch_mu held by caller */
+int te_batch_submit(te_engine *eng, uint64_t id, te_request *reqs, size_t n, te_err *e);
+int te_batch_free(te_engine *eng, uint64_t id, te_err *e);
+int te_batch_wait(te_engine *eng, uint64_t id, double timeout_s, te_err *e);
+
+#endif

@@ -1,0 +1,284 @@
+/* Batches and the worker pool.
+ *
+ * A request walks: submitted (queued) -> sliced by workers (slice_bytes each, several workers
+ * on one request at once) -> DONE when every slice succeeded, FAILED at the first failed slice
+ * (later slices of it are skipped). A batch completes when all its submitted requests have;
+ * completion wakes wait() callers and bumps notify_fd for the asyncio side.
+ */
+#include "te.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define SLOT_BITS 24
+#define SLOT_MASK ((1u << SLOT_BITS) - 1)
+
+/* ---- batch table (all under batch_mu) --------------------------------------------------- */
+
+te_batch *te_batch_get(te_engine *eng, uint64_t id)
+{
+    uint64_t slot = id & SLOT_MASK;
+    if (slot >= eng->n_slots)
+        return NULL;
+    te_batch *b = eng->slots[slot];
+    return b && b->id == id && !b->freed ? b : NULL;
+}
+
+static void release_slot(te_engine *eng, te_batch *b)
+{
+    eng->slots[b->id & SLOT_MASK] = NULL;
+    free(b->reqs);
+    free(b);
+}
+
+uint64_t te_batch_alloc(te_engine *eng, size_t n, te_err *e)
+{
+    te_batch *b = calloc(1, sizeof *b);
+    te_request *reqs = calloc(n ? n : 1, sizeof *reqs);
+    if (!b || !reqs) {
+        free(b);
+        free(reqs);
+        te_err_set(e, "out of memory for a batch of %zu requests", n);
+        return 0;
+    }
+    b->cap = n;
+    b->reqs = reqs;
+    pthread_mutex_lock(&eng->batch_mu);
+    size_t slot = 0;
+    while (slot < eng->n_slots && eng->slots[slot])
+        slot++;
+    if (slot == eng->n_slots) {
+        size_t grow = eng->n_slots ? eng->n_slots * 2 : 64;
+        te_batch **ns = grow <= SLOT_MASK ? realloc(eng->slots, grow * sizeof *ns) : NULL;
+        if (!ns) {
+            pthread_mutex_unlock(&eng->batch_mu);
+            free(b);
+            free(reqs);
+            te_err_set(e, "too many live batches");
+            return 0;
+        }
+        memset(ns + eng->n_slots, 0, (grow - eng->n_slots) * sizeof *ns);
+        eng->slots = ns;
+        eng->n_slots = grow;
+    }
+    /* NOTE: the generation keeps a stale id from aliasing a reused slot */
+    b->id = ((uint64_t)(++eng->next_gen) << SLOT_BITS) | slot;
+    eng->slots[slot] = b;
+    pthread_mutex_unlock(&eng->batch_mu);
+    return b->id;
+}
+
+static void notify(te_engine *eng)
+{
+    uint64_t one = 1;
+    ssize_t w = write(eng->notify_fd, &one, sizeof one);
+    (void)w; /* eventfd counter overflow is impossible in practice; nothing to report */
+}
+
+int te_batch_submit(te_engine *eng, uint64_t id, te_request *reqs, size_t n, te_err *e)
+{
+    pthread_mutex_lock(&eng->batch_mu);
+    te_batch *b = te_batch_get(eng, id);
+    if (!b || n > b->cap - b->n) {
+        pthread_mutex_unlock(&eng->batch_mu);
+        if (!b)
+            te_err_set(e, "unknown batch id %llu", (unsigned long long)id);
+        else
+            te_err_set(e, "batch %llu holds %zu requests, %zu already submitted, cannot add %zu",
+                       (unsigned long long)id, b->cap, b->n, n);
+        return -1;
+    }
+    te_request *first = b->reqs + b->n, *head = NULL, *tail = NULL;
+    double now = te_now();
+    for (size_t i = 0; i < n; i++) {
+        te_request *r = first + i;
+        *r = reqs[i];
+        r->batch = b;
+        r->submitted_at = now;
+        r->next_off = 0;
+        r->failed = 0;
+        r->msg[0] = 0;
+        r->qnext = NULL;
+        if (r->len == 0) {
+            r->state = TE_STATE_DONE;
+            continue;
+        }
+        r->state = TE_STATE_PENDING;
+        r->slices_left = (int)((r->len + eng->slice_bytes - 1) / eng->slice_bytes);
+        b->pending++;
+        if (tail)
+            tail->qnext = r;
+        else
+            head = r;
+        tail = r;
+    }
+    b->n += n;
+    int done_now = b->pending == 0;
+    pthread_mutex_unlock(&eng->batch_mu);
+    if (done_now) {
+        notify(eng);
+        return 0;
+    }
+    pthread_mutex_lock(&eng->queue_mu);
+    if (eng->q_tail)
+        eng->q_tail->qnext = head;
+    else
+        eng->q_head = head;
+    eng->q_tail = tail;
+    pthread_cond_broadcast(&eng->queue_cv);
+    pthread_mutex_unlock(&eng->queue_mu);
+    return 0;
+}
+
+int te_batch_free(te_engine *eng, uint64_t id, te_err *e)
+{
+    pthread_mutex_lock(&eng->batch_mu);
+    te_batch *b = te_batch_get(eng, id);
+    if (!b) {
+        pthread_mutex_unlock(&eng->batch_mu);
+        te_err_set(e, "unknown batch id %llu", (unsigned long long)id);
+        return -1;
+    }
+    if (b->pending == 0)
+        release_slot(eng, b);
+    else
+        b->freed = 1; /* the last completing request releases it */
+    pthread_mutex_unlock(&eng->batch_mu);
+    return 0;
+}
+
+int te_batch_wait(te_engine *eng, uint64_t id, double timeout_s, te_err *e)
+{
+    double deadline = timeout_s > 0 ? te_now() + timeout_s : 0;
+    pthread_mutex_lock(&eng->batch_mu);
+    for (;;) {
+        te_batch *b = te_batch_get(eng, id);
+        if (!b) {
+            pthread_mutex_unlock(&eng->batch_mu);
+            te_err_set(e, "unknown batch id %llu", (unsigned long long)id);
+            return -1;
+        }
+        if (b->pending == 0)
+            break;
+        if (deadline > 0) {
+            struct timespec ts = {.tv_sec = (time_t)deadline};
+            ts.tv_nsec = (long)((deadline - (double)ts.tv_sec) * 1e9);
+            if (pthread_cond_timedwait(&eng->batch_cv, &eng->batch_mu, &ts) == ETIMEDOUT) {
+                pthread_mutex_unlock(&eng->batch_mu);
+                te_err_set(e, "batch %llu still running after %.1f s", (unsigned long long)id,
+                           timeout_s);
+                return TE_IO_TIMEOUT;
+            }
+        } else {
+            pthread_cond_wait(&eng->batch_cv, &eng->batch_mu);
+        }
+    }
+    pthread_mutex_unlock(&eng->batch_mu);
+    return 0;
+}
+
+/* ---- workers ---------------------------------------------------------------------------- */
+
+static void record_failure(te_engine *eng, te_request *r, const char *why)
+{
+    pthread_mutex_lock(&eng->batch_mu);
+    if (!r->msg[0])
+        snprintf(r->msg, sizeof r->msg, "%s of %llu bytes at offset %llu of segment '%s': %s",
+                 r->op == TE_REQ_READ ? "READ" : "WRITE", (unsigned long long)r->len,
+                 (unsigned long long)r->remote_off, r->seg->name, why);
+    __atomic_store_n(&r->failed, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&eng->batch_mu);
+}
+
+static void slice_done(te_engine *eng, te_request *r)
+{
+    if (__atomic_sub_fetch(&r->slices_left, 1, __ATOMIC_ACQ_REL) != 0)
+        return;
+    if (r->local_region)
+        te_region_unref(eng, r->local_region);
+    pthread_mutex_lock(&eng->batch_mu);
+    te_batch *b = r->batch;
+    r->state = r->failed ? TE_STATE_FAILED : TE_STATE_DONE;
+    int batch_done = --b->pending == 0;
+    if (batch_done) {
+        pthread_cond_broadcast(&eng->batch_cv);
+        if (b->freed)
+            release_slot(eng, b);
+    }
+    pthread_mutex_unlock(&eng->batch_mu);
+    if (batch_done)
+        notify(eng);
+}
+
+static void *worker_main(void *p)
+{
+    te_engine *eng = p;
+    pthread_mutex_lock(&eng->queue_mu);
+    for (;;) {
+        while (!eng->q_head && !eng->stopping)
+            pthread_cond_wait(&eng->queue_cv, &eng->queue_mu);
+        if (!eng->q_head)
+            break; /* stopping and drained: every queued request has completed */
+        te_request *r = eng->q_head;
+        uint64_t off = r->next_off;
+        uint64_t len = r->len - off < eng->slice_bytes ? r->len - off : eng->slice_bytes;
+        r->next_off += len;
+        if (r->next_off >= r->len) {
+            eng->q_head = r->qnext;
+            if (!eng->q_head)
+                eng->q_tail = NULL;
+        }
+        int stopping = eng->stopping;
+        pthread_mutex_unlock(&eng->queue_mu);
+
+        if (__atomic_load_n(&r->failed, __ATOMIC_ACQUIRE)) {
+            /* an earlier slice failed: the request's outcome is already decided */
+        } else if (stopping) {
+            record_failure(eng, r, "the transfer engine was closed");
+        } else {
+            te_err err = {{0}};
+            int rc = te_run_slice(eng, r, off, len, &err);
+            if (rc)
+                record_failure(eng, r, err.msg[0] ? err.msg : "unknown error");
+        }
+        slice_done(eng, r);
+        pthread_mutex_lock(&eng->queue_mu);
+    }
+    pthread_mutex_unlock(&eng->queue_mu);
+    return NULL;
+}
+
+int te_workers_start(te_engine *eng, int n, te_err *e)
+{
+    eng->workers = calloc((size_t)n, sizeof(pthread_t));
+    if (!eng->workers) {
+        te_err_set(e, "out of memory");
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        if (pthread_create(&eng->workers[i], NULL, worker_main, eng)) {
+            te_err_set(e, "cannot start transfer worker thread %d", i);
+            te_workers_stop(eng);
+            return -1;
+        }
+        eng->n_workers++;
+    }
+    return 0;
+}
+
+void te_workers_stop(te_engine *eng)
+{
+    pthread_mutex_lock(&eng->queue_mu);
+    eng->stopping = 1;
+    pthread_cond_broadcast(&eng->queue_cv);
+    pthread_mutex_unlock(&eng->queue_mu);
+    for (int i = 0; i < eng->n_workers; i++)
+        pthread_join(eng->workers[i], NULL);
+    eng->n_workers = 0;
+    free(eng->workers);
+    eng->workers = NULL;
+}
