@@ -304,8 +304,9 @@ static PyObject *Engine_submit_transfer(Engine *self, PyObject *args)
         r->local_region = te_region_ref_addr(self->eng, r->local, len);
         if (!r->local_region) {
             PyErr_Format(PyExc_ValueError,
-                         "request %zd: local range 0x%llx + %llu bytes is not inside memory "
-                         "registered with this engine", i, local, len);
+                         "request %zd: local range %p + %llu bytes is not inside memory "
+                         "registered with this engine", i, (void *)(uintptr_t)local,
+                         (unsigned long long)len);
             break;
         }
     }
