@@ -23,16 +23,21 @@ class SeqSlice:
     q_start: int  # first row of this sequence in the packed batch
     q_len: int  # new tokens computed now
     ctx_len: int  # tokens attended to (cached + new)
-    block_table: torch.Tensor  # [num_blocks] long: the blocks holding its context, in order
+    ctx_rows: torch.Tensor  # [ctx_len] long: pool row of each context token's layer-0 K
 
 
 @dataclass
 class PagedContext:
-    """Per-forward metadata the attention function needs, passed through the model's kwargs."""
+    """Per-forward metadata the attention function needs, passed through the model's kwargs.
 
-    kv_pool: torch.Tensor  # [num_blocks, layers, 2, block_tokens, kv_heads, head_dim]
-    slot_blocks: torch.Tensor  # [T] long: block id of each new token's slot
-    slot_offsets: torch.Tensor  # [T] long: offset inside that block
+    The pool is addressed as rows of `kv_heads * head_dim` values. Token t of layer l lives at
+    row `base(t) + (2 * l + kv) * block_tokens`, with `base(t) = block * layers * 2 * block_tokens
+    + offset` — so a layer's rows are found by adding one constant to precomputed indices.
+    """
+
+    pool_rows: torch.Tensor  # [num_blocks * layers * 2 * block_tokens, kv_heads * head_dim]
+    block_tokens: int
+    slot_rows: torch.Tensor  # [T] long: pool row of each new token's layer-0 K
     seqs: list[SeqSlice]
 
 
@@ -58,19 +63,22 @@ def paged_attention_forward(
     """Write new K/V into the paged pool, then attend each sequence over its cached context."""
     if paged_ctx is None:
         raise RuntimeError("mooncake paged attention called without a PagedContext")
-    layer = module.layer_idx  # type: ignore[attr-defined]
-    k_cache = paged_ctx.kv_pool[:, layer, 0]  # [num_blocks, block_tokens, kv_heads, head_dim]
-    v_cache = paged_ctx.kv_pool[:, layer, 1]
-    k_cache[paged_ctx.slot_blocks, paged_ctx.slot_offsets] = key[0].transpose(0, 1)
-    v_cache[paged_ctx.slot_blocks, paged_ctx.slot_offsets] = value[0].transpose(0, 1)
-
     kv_heads, head_dim = key.shape[1], key.shape[3]
+    k_off = 2 * module.layer_idx * paged_ctx.block_tokens  # type: ignore[attr-defined]
+    v_off = k_off + paged_ctx.block_tokens
+    rows = paged_ctx.pool_rows
+    # NOTE: index_copy_ on the contiguous row view writes only the new slots; indexing the
+    # strided [blocks, layer, ...] view instead would copy the whole pool per layer.
+    rows.index_copy_(0, paged_ctx.slot_rows + k_off, key[0].transpose(0, 1).reshape(-1, rows.shape[1]))
+    rows.index_copy_(0, paged_ctx.slot_rows + v_off,
+                     value[0].transpose(0, 1).reshape(-1, rows.shape[1]))
+
     outputs = []
     for s in paged_ctx.seqs:
         q = query[:, :, s.q_start:s.q_start + s.q_len]
-        # Gather this sequence's blocks: [nb, block_tokens, kv_heads, d] -> [1, kv_heads, ctx, d]
-        k = k_cache[s.block_table].reshape(-1, kv_heads, head_dim)[:s.ctx_len]
-        v = v_cache[s.block_table].reshape(-1, kv_heads, head_dim)[:s.ctx_len]
+        # [ctx, kv_heads * d] -> [1, kv_heads, ctx, d]
+        k = rows.index_select(0, s.ctx_rows + k_off).view(s.ctx_len, kv_heads, head_dim)
+        v = rows.index_select(0, s.ctx_rows + v_off).view(s.ctx_len, kv_heads, head_dim)
         k = k.transpose(0, 1).unsqueeze(0)
         v = v.transpose(0, 1).unsqueeze(0)
         is_causal = s.q_len > 1 and s.q_len == s.ctx_len

@@ -73,6 +73,8 @@ class PagedKVCache:
         # NOTE: keep the buffer alive as long as the tensor views into it.
         self._buffer = buffer
         self.pool = raw.view(layout.dtype).view(self.num_blocks, *layout.block_shape)
+        # The same memory as rows of one token's K (or V) of one layer: what attention indexes.
+        self.pool_rows = self.pool.view(-1, layout.kv_heads * layout.head_dim)
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
 
     @property
@@ -103,7 +105,3 @@ class PagedKVCache:
     def free(self, block_ids: list[int]) -> None:
         """Return blocks to the pool."""
         self._free.extend(reversed(block_ids))
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of one layer's K and V: each [num_blocks, block_tokens, kv_heads, head_dim]."""
-        return self.pool[:, layer, 0], self.pool[:, layer, 1]

@@ -60,29 +60,31 @@ class ModelRunner:
         Every item's `seq.block_ids` must already cover `num_computed + num_new` tokens.
         """
         bt = self.layout.block_tokens
+        block_rows = self.layout.num_layers * 2 * bt  # pool rows per block
         input_ids: list[int] = []
         positions: list[int] = []
         slices: list[SeqSlice] = []
+        slot_rows: list[torch.Tensor] = []
         for it in items:
             s = it.seq
             start = s.num_computed
             end = start + it.num_new
             if len(s.block_ids) * bt < end:
                 raise RuntimeError(f"{s.request_id}: blocks cover {len(s.block_ids) * bt} < {end}")
-            slices.append(SeqSlice(
-                q_start=len(input_ids), q_len=it.num_new, ctx_len=end,
-                block_table=torch.tensor(s.block_ids[:-(-end // bt)], dtype=torch.long)))
+            pos = torch.arange(end)
+            table = torch.tensor(s.block_ids[:-(-end // bt)], dtype=torch.long)
+            ctx_rows = table[pos // bt] * block_rows + pos % bt
+            slices.append(SeqSlice(q_start=len(input_ids), q_len=it.num_new, ctx_len=end,
+                                   ctx_rows=ctx_rows))
+            slot_rows.append(ctx_rows[start:end])
             input_ids.extend(s.token_ids[start:end])
             positions.extend(range(start, end))
-        pos = torch.tensor(positions, dtype=torch.long)
-        blocks = torch.cat([sl.block_table[pos[sl.q_start:sl.q_start + sl.q_len] // bt]
-                            for sl in slices])
-        ctx = PagedContext(kv_pool=self.kv.pool, slot_blocks=blocks, slot_offsets=pos % bt,
-                           seqs=slices)
+        ctx = PagedContext(pool_rows=self.kv.pool_rows, block_tokens=bt,
+                           slot_rows=torch.cat(slot_rows), seqs=slices)
         last_rows = torch.tensor([sl.q_start + sl.q_len - 1 for sl in slices], dtype=torch.long)
         out = self.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long),
-            position_ids=pos.unsqueeze(0),
+            position_ids=torch.tensor([positions], dtype=torch.long),
             use_cache=False,
             logits_to_keep=last_rows,
             paged_ctx=ctx,
