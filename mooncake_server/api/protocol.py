@@ -1,0 +1,293 @@
+"""Pydantic models of the OpenAI-compatible API (requests, responses, stream chunks).
+
+Requests ignore unknown fields so newer clients keep working; fields we cannot honour (n > 1,
+non-text content parts) fail validation with a message that says so.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
+
+MAX_STOP_SEQUENCES = 4
+
+
+class _Request(BaseModel):
+    """Base of request bodies: unknown extra fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    """`stream_options`: only include_usage is meaningful."""
+
+    include_usage: bool = False
+
+
+class TextPart(_Request):
+    """A `{"type": "text", "text": ...}` content part (the only kind a text model accepts)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One chat turn; content is a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class _SamplingFields(_Request):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None  # None = the served model
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM extension: keep generating past EOS
+    return_token_ids: bool = False  # vLLM extension: prompt and output token ids in the reply
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError(f"only n=1 is supported, got n={value}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty strings")
+        return value
+
+    def stop_list(self) -> list[str]:
+        """The stop sequences as a list (possibly empty)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """Body of POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens wins over the deprecated max_tokens; None = not given."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    """Body of POST /v1/completions (one prompt: a string or token ids)."""
+
+    prompt: str | list[int]
+    # NOTE: the legacy completions API (and vLLM) default to 16 new tokens, unlike chat.
+    max_tokens: int | None = Field(default=16, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, value: str | list[int]) -> str | list[int]:
+        if len(value) == 0:
+            raise ValueError("prompt must not be empty")
+        return value
+
+    def requested_max_tokens(self) -> int | None:
+        """The max_tokens given (None = fill the context)."""
+        return self.max_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+class PromptTokensDetails(BaseModel):
+    """Breakdown of the prompt tokens; cached = KV reused instead of recomputed."""
+
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    """Token accounting of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+        """Usage with total computed."""
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class _Reply(BaseModel):
+    """Response base: fields named in `omit_if_none` leave the JSON when they are None."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in self.omit_if_none:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
+class AssistantMessage(BaseModel):
+    """The generated message of a chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(_Reply):
+    """One choice of a chat completion."""
+
+    omit_if_none = ("token_ids",)
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | None = None  # with return_token_ids (EOS included)
+
+
+class ChatCompletionResponse(_Reply):
+    """Non-streamed chat completion."""
+
+    omit_if_none = ("prompt_token_ids",)
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+
+
+class DeltaMessage(_Reply):
+    """Incremental message in a chunk; absent fields are left out of the JSON."""
+
+    omit_if_none = ("role", "content")
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Reply):
+    """One choice of a chat stream chunk."""
+
+    omit_if_none = ("token_ids",)
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = None  # with return_token_ids: ids since the last chunk
+
+
+class _Chunk(_Reply):
+    """Stream chunk base: `usage` appears only on the final usage chunk."""
+
+    omit_if_none = ("usage", "prompt_token_ids")
+    id: str
+    created: int = Field(default_factory=_now)
+    model: str
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
+
+
+class ChatCompletionChunk(_Chunk):
+    """One SSE event of a streamed chat completion."""
+
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class CompletionChoice(_Reply):
+    """One choice of a text completion (also used in its stream chunks)."""
+
+    omit_if_none = ("token_ids",)
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+class CompletionResponse(_Reply):
+    """Non-streamed text completion."""
+
+    omit_if_none = ("prompt_token_ids",)
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+
+
+class CompletionChunk(_Chunk):
+    """One SSE event of a streamed text completion."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    """An entry of GET /v1/models."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "mooncake-server"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """Body of GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

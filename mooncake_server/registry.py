@@ -1,0 +1,307 @@
+"""Instance registry: the conductor's `InstanceRegistry` + routes, and the instances' `Registrar`.
+
+An instance, as the conductor sees it: registered -> alive (a heartbeat at least every
+`heartbeat_timeout_s`) -> stale (kept, never picked; a heartbeat revives it) -> forgotten after
+`forget_after_s` -> its next heartbeat gets 404 and its Registrar registers again. The same 404
+path makes every instance re-register after a conductor restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+from fastapi import APIRouter, Depends, HTTPException
+
+from mooncake_server.internal_http import require_secret, secret_headers
+from mooncake_server.messages import Deregister, Heartbeat, InstanceInfo, InstanceStatus
+
+log = logging.getLogger(__name__)
+
+INSTANCE_ROLES = ("prefill", "decode", "store")
+
+
+@dataclass
+class _Entry:
+    info: InstanceInfo
+    last_seen: float
+    load: Heartbeat | None = None
+
+
+class InstanceRegistry:
+    """Live prefill / decode / store instances, with round-robin picking among the alive ones."""
+
+    def __init__(
+        self,
+        heartbeat_timeout_s: float,
+        *,
+        forget_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat_timeout_s must be positive, got {heartbeat_timeout_s}")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.forget_after_s = forget_after_s or 60.0 * heartbeat_timeout_s
+        self._clock = clock
+        self._entries: dict[str, _Entry] = {}
+        self._next: dict[str, int] = {role: 0 for role in INSTANCE_ROLES}
+
+    def register(self, info: InstanceInfo) -> None:
+        """Add or replace an instance (a restarted instance registers under the same id)."""
+        if info.role not in INSTANCE_ROLES:
+            raise ValueError(f"role must be one of {', '.join(INSTANCE_ROLES)}, got {info.role!r}")
+        if not info.instance_id:
+            raise ValueError("instance_id must not be empty")
+        old = self._entries.get(info.instance_id)
+        self._entries[info.instance_id] = _Entry(info, self._clock())
+        log.info("%s %s instance %s at %s", "re-registered" if old else "registered",
+                 info.role, info.instance_id, info.url)
+
+    def heartbeat(self, beat: Heartbeat) -> bool:
+        """Record liveness and load; False if the instance is unknown (it must register)."""
+        self._forget_stale()
+        entry = self._entries.get(beat.instance_id)
+        if entry is None:
+            return False
+        entry.last_seen = self._clock()
+        entry.load = beat
+        return True
+
+    def deregister(self, instance_id: str) -> bool:
+        """Forget an instance now; False if it was unknown."""
+        entry = self._entries.pop(instance_id, None)
+        if entry is not None:
+            log.info("deregistered %s instance %s", entry.info.role, instance_id)
+        return entry is not None
+
+    def mark_down(self, instance_id: str) -> None:
+        """Stop picking an instance that just failed, until its next heartbeat."""
+        entry = self._entries.get(instance_id)
+        if entry is not None:
+            entry.last_seen = -math.inf
+            log.warning("%s instance %s marked down", entry.info.role, instance_id)
+
+    def get(self, instance_id: str) -> InstanceInfo | None:
+        """An instance's registration, alive or not."""
+        entry = self._entries.get(instance_id)
+        return entry.info if entry else None
+
+    def load(self, instance_id: str) -> Heartbeat | None:
+        """The latest load report of an instance."""
+        entry = self._entries.get(instance_id)
+        return entry.load if entry else None
+
+    def _is_alive(self, entry: _Entry, now: float) -> bool:
+        return now - entry.last_seen <= self.heartbeat_timeout_s
+
+    def alive(self, role: str) -> list[InstanceInfo]:
+        """Alive instances of `role`, in a stable order (by instance id)."""
+        now = self._clock()
+        found = [e.info for e in self._entries.values()
+                 if e.info.role == role and self._is_alive(e, now)]
+        return sorted(found, key=lambda info: info.instance_id)
+
+    def pick(self, role: str) -> InstanceInfo | None:
+        """Next alive instance of `role` in round-robin order, or None when none is alive."""
+        candidates = self.alive(role)
+        if not candidates:
+            return None
+        turn = self._next.get(role, 0)
+        self._next[role] = turn + 1
+        return candidates[turn % len(candidates)]
+
+    def counts(self) -> dict[str, int]:
+        """Number of alive instances per role."""
+        return {role: len(self.alive(role)) for role in INSTANCE_ROLES}
+
+    def snapshot(self) -> list[InstanceStatus]:
+        """Every known instance with its liveness and last load report."""
+        now = self._clock()
+        return [
+            InstanceStatus(
+                info=e.info,
+                alive=self._is_alive(e, now),
+                seconds_since_heartbeat=now - e.last_seen if math.isfinite(e.last_seen) else -1.0,
+                load=e.load,
+            )
+            for e in sorted(self._entries.values(), key=lambda e: e.info.instance_id)
+        ]
+
+    def status(self, instance_id: str) -> InstanceStatus | None:
+        """One instance's status."""
+        return next((s for s in self.snapshot() if s.info.instance_id == instance_id), None)
+
+    def _forget_stale(self) -> None:
+        # Long-silent instances are dropped so the table cannot grow without bound.
+        now = self._clock()
+        for instance_id in [i for i, e in self._entries.items()
+                            if now - e.last_seen > self.forget_after_s]:
+            log.info("forgetting silent instance %s", instance_id)
+            del self._entries[instance_id]
+
+
+def registry_router(registry: InstanceRegistry, secret: str) -> APIRouter:
+    """Routes: POST /internal/{register,heartbeat,deregister}, GET /internal/instances."""
+    router = APIRouter(prefix="/internal", dependencies=[Depends(require_secret(secret))])
+
+    @router.post("/register")
+    async def register(info: InstanceInfo) -> InstanceStatus:
+        """Register (or re-register) an instance."""
+        try:
+            registry.register(info)
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from None
+        status = registry.status(info.instance_id)
+        if status is None:  # NOTE: only if the clock jumped past forget_after_s in between
+            raise HTTPException(status_code=503, detail="registration lost; retry")
+        return status
+
+    @router.post("/heartbeat")
+    async def heartbeat(beat: Heartbeat) -> dict[str, bool]:
+        """Liveness + load; 404 tells the instance to register again."""
+        if not registry.heartbeat(beat):
+            raise HTTPException(status_code=404, detail=f"unknown instance {beat.instance_id}")
+        return {"ok": True}
+
+    @router.post("/deregister")
+    async def deregister(body: Deregister) -> dict[str, bool]:
+        """An instance shutting down gracefully."""
+        return {"ok": registry.deregister(body.instance_id)}
+
+    @router.get("/instances")
+    async def instances() -> list[InstanceStatus]:
+        """All known instances."""
+        return registry.snapshot()
+
+    return router
+
+
+class RegistrationError(RuntimeError):
+    """The conductor refused the registration (wrong secret, invalid info): retrying won't help."""
+
+
+class Registrar:
+    """Keeps one instance registered with the conductor: register, heartbeat, re-register."""
+
+    def __init__(
+        self,
+        conductor_url: str,
+        info: InstanceInfo,
+        secret: str,
+        interval_s: float,
+        load: Callable[[], Heartbeat] | None = None,
+        *,
+        http: httpx.AsyncClient | None = None,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"heartbeat interval must be positive, got {interval_s}")
+        self.conductor_url = conductor_url.rstrip("/")
+        self.info = info
+        self.interval_s = interval_s
+        self.registrations = 0  # successful registrations so far (re-registrations included)
+        self._headers = secret_headers(secret)
+        self._load = load
+        self._http = http
+        self._own_http = http is None
+        self._max_backoff_s = max_backoff_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Register (retrying with backoff until the conductor answers), then heartbeat."""
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                timeout=httpx.Timeout(max(2.0, 2 * self.interval_s), connect=2.0))
+        await self._register_until_ok()
+        self._task = asyncio.create_task(
+            self._heartbeat_forever(), name=f"heartbeat-{self.info.instance_id}")
+
+    async def stop(self) -> None:
+        """Stop heartbeating and tell the conductor we are leaving (best effort)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._http is None:
+            return
+        try:
+            await self._http.post(
+                f"{self.conductor_url}/internal/deregister", headers=self._headers, timeout=1.0,
+                json=Deregister(instance_id=self.info.instance_id).model_dump(mode="json"))
+        except httpx.HTTPError as exc:
+            log.debug("deregistration of %s failed: %s", self.info.instance_id, exc)
+        if self._own_http:
+            await self._http.aclose()
+            self._http = None
+
+    async def _post(self, path: str, body: dict[str, object]) -> httpx.Response:
+        if self._http is None:
+            raise RuntimeError("Registrar.start() must be called first")
+        return await self._http.post(f"{self.conductor_url}{path}", json=body,
+                                     headers=self._headers)
+
+    async def _register_until_ok(self) -> None:
+        delay = 0.1
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                r = await self._post("/internal/register", self.info.model_dump(mode="json"))
+            except httpx.TransportError as exc:
+                problem = f"conductor unreachable ({type(exc).__name__}: {exc})"
+            else:
+                if r.is_success:
+                    self.registrations += 1
+                    log.info("registered %s %s with %s", self.info.role, self.info.instance_id,
+                             self.conductor_url)
+                    return
+                if r.status_code in (400, 401, 403, 422):
+                    raise RegistrationError(
+                        f"conductor {self.conductor_url} refused {self.info.instance_id}: "
+                        f"HTTP {r.status_code} {r.text[:300]}")
+                problem = f"HTTP {r.status_code}"
+            # One warning, then quiet retries: a conductor starting late is normal.
+            (log.warning if attempt == 1 else log.debug)(
+                "registering %s: %s; retrying", self.info.instance_id, problem)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self._max_backoff_s)
+
+    def _current_load(self) -> Heartbeat:
+        if self._load is not None:
+            try:
+                beat = self._load()
+                return beat.model_copy(update={"instance_id": self.info.instance_id})
+            except Exception:
+                log.exception("load report of %s failed; sending a bare heartbeat",
+                              self.info.instance_id)
+        return Heartbeat(instance_id=self.info.instance_id)
+
+    async def _heartbeat_forever(self) -> None:
+        failing = False
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                r = await self._post("/internal/heartbeat", self._current_load().model_dump())
+            except httpx.TransportError as exc:
+                if not failing:
+                    log.warning("heartbeat of %s failed: %s", self.info.instance_id, exc)
+                failing = True
+                continue
+            if failing:
+                log.info("heartbeat of %s recovered", self.info.instance_id)
+                failing = False
+            if r.status_code == 404:
+                log.info("conductor does not know %s (restarted?); registering again",
+                         self.info.instance_id)
+                try:
+                    await self._register_until_ok()
+                except RegistrationError:
+                    log.exception("re-registration refused; heartbeats stop")
+                    return
+            elif not r.is_success:
+                log.warning("heartbeat of %s: HTTP %d", self.info.instance_id, r.status_code)
