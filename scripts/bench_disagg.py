@@ -13,14 +13,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
-from conftest import Cluster, start_cluster  # noqa: E402  (reuses the tests' launcher)
+from mooncake_server.launcher import Cluster, start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -2,93 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mooncake_server.launcher import Cluster, start_cluster
 from mooncake_server.model_assets import resolve_model
-
-STARTUP_TIMEOUT_S = 240.0
-
-
-def free_port_block(n: int) -> int:
-    """A base port with `n` consecutive free ports above it."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no block of free ports")
-
-
-@dataclass
-class Cluster:
-    """A running `mooncake-server` process tree."""
-
-    proc: subprocess.Popen[bytes]
-    port: int
-
-    @property
-    def url(self) -> str:
-        """Base URL of the public API."""
-        return f"http://127.0.0.1:{self.port}"
-
-    def role_url(self, offset: int) -> str:
-        """Base URL of a child role (--role all puts them on port+1..3)."""
-        return f"http://127.0.0.1:{self.port + offset}"
-
-    def stop(self) -> int:
-        """Ctrl-C the supervisor and wait for it; returns its exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_cluster(role: str, extra: list[str] | None = None) -> Cluster:
-    """Start `mooncake-server --role ROLE` and wait until /health answers 200."""
-    port = free_port_block(5)
-    argv = [sys.executable, "-m", "mooncake_server", "--role", role, "--port", str(port),
-            "--kv-memory", "512MiB", "--memory", "1GiB", *(extra or [])]
-    proc = subprocess.Popen(argv, start_new_session=True)
-    cluster = Cluster(proc, port)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{role} exited with {proc.returncode} during start-up")
-        try:
-            if httpx.get(cluster.url + "/health", timeout=2).status_code == 200:
-                return cluster
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    cluster.stop()
-    raise RuntimeError(f"{role} did not become healthy in {STARTUP_TIMEOUT_S}s")
 
 
 @pytest.fixture(scope="session")

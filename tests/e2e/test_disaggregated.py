@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from openai import AsyncOpenAI
 
 if TYPE_CHECKING:
-    from conftest import Cluster
+    from mooncake_server.launcher import Cluster
 
 pytestmark = pytest.mark.e2e
 
