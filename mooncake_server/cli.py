@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from mooncake_server.config import ROLES, TRANSPORTS, ServerConfig, load_yaml, parse_size
@@ -31,29 +32,93 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--prefill-chunk", "prefill_chunk_tokens", int, "prompt tokens per forward pass"),
     ("--torch-threads", "torch_threads", int, "torch intra-op threads"),
     ("--memory", "store_memory_bytes", str, "store DRAM pool size, e.g. 8GiB"),
+    ("--ssd-dir", "store_ssd_dir", str, "store SSD tier directory (default: no SSD tier)"),
+    ("--ssd-capacity", "store_ssd_capacity_bytes", str, "store SSD tier size, e.g. 64GiB"),
+    ("--demote-after", "store_demote_after_s", float,
+     "seconds an untouched store object stays in DRAM before moving to SSD (default 300)"),
+    ("--high-watermark", "store_high_watermark", float,
+     "store DRAM fraction above which LRU eviction starts (default 0.95)"),
+    ("--replicas", "store_replicas", int, "copies of each KV block across store nodes (conductor)"),
     ("--transfer-port", "transfer_port", int, "transfer engine port (0 = any)"),
     ("--transport", "transport", str, f"transfer transport: {' | '.join(TRANSPORTS)}"),
     ("--transfer-timeout", "transfer_timeout_s", float, "seconds before a transfer fails"),
     ("--cluster-secret", "cluster_secret", str,
      "shared secret of internal endpoints (or env MOONCAKE_CLUSTER_SECRET)"),
+    ("--api-key", "api_key", str,
+     "require `Authorization: Bearer KEY` on /v1/* and /metrics (or env MOONCAKE_API_KEY)"),
+    ("--max-request-size", "max_request_bytes", str,
+     "largest /v1 request body, e.g. 8MiB (default; larger ones get 413)"),
+    ("--max-messages", "max_messages", int, "most chat messages per request (default 2048)"),
+    ("--max-prompt-tokens", "max_prompt_tokens", int,
+     "most prompt tokens per request (default: the context window)"),
+    ("--max-tokens-limit", "max_tokens_limit", int,
+     "largest max_tokens a request may ask for (default: the context window)"),
+    ("--max-stop", "max_stop_sequences", int, "most stop sequences per request (default 4)"),
+    ("--max-stop-chars", "max_stop_chars", int, "longest stop sequence (default 256 chars)"),
+    ("--log-prompts", "log_prompts", bool, "log every request's prompt (off by default)"),
     ("--heartbeat-interval", "heartbeat_interval_s", float, "seconds between heartbeats"),
     ("--heartbeat-timeout", "heartbeat_timeout_s", float, "seconds before an instance is dead"),
+    ("--policy", "policy", str,
+     "conductor's placement: random | load | cache-local | cache-global (default)"),
+    ("--ttft-slo", "ttft_slo_s", float,
+     "seconds; reject (429) requests whose estimated time to first token exceeds it"),
+    ("--tbt-slo", "tbt_slo_s", float,
+     "seconds; reject (429) requests whose estimated time between tokens exceeds it"),
+    ("--profile", "profile_path", str,
+     "cost model from `mooncake-server profile` (default: built-in coefficients)"),
     ("--log-level", "log_level", str, "debug | info | warning | error"),
 ]
-_SIZE_FIELDS = {"kv_memory_bytes": "--kv-memory", "store_memory_bytes": "--memory"}
+_SIZE_FIELDS = {"kv_memory_bytes": "--kv-memory", "store_memory_bytes": "--memory",
+                "store_ssd_capacity_bytes": "--ssd-capacity",
+                "max_request_bytes": "--max-request-size"}
+# Roles serving internal endpoints to other processes: they refuse to start without a secret.
+_CLUSTER_ROLES = ("conductor", "prefill", "decode", "store")
+# Environment variable -> setting (the only place MOONCAKE_* variables are read).
+_ENV = (("MOONCAKE_CLUSTER_SECRET", "cluster_secret"),
+        ("MOONCAKE_CLUSTER_SECRET_FILE", "cluster_secret_file"),
+        ("MOONCAKE_API_KEY", "api_key"))
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     p = argparse.ArgumentParser(
         prog="mooncake-server",
-        description="KVCache-centric disaggregated LLM serving (Mooncake architecture).")
+        description="KVCache-centric disaggregated LLM serving (Mooncake architecture).",
+        epilog="`mooncake-server profile --help`: measure the model for the conductor's --profile.")
     p.add_argument("--role", choices=ROLES, default=None,
                    help="which role this process runs (default: all)")
     p.add_argument("--config", default=None, help="YAML file of flag values (flags win)")
+    p.add_argument("--cluster-secret-file", dest="cluster_secret_file", default=None,
+                   help="file holding the cluster secret (or env MOONCAKE_CLUSTER_SECRET_FILE)")
     for flag, dest, typ, help_ in _FLAGS:
-        p.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
+        if typ is bool:
+            p.add_argument(flag, dest=dest, action="store_true", default=None, help=help_)
+        else:
+            p.add_argument(flag, dest=dest, type=typ, default=None, help=help_)
     return p
+
+
+def read_secret_file(path: str) -> str:
+    """The cluster secret stored in `path` (surrounding whitespace dropped)."""
+    try:
+        secret = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--cluster-secret-file: cannot read {path}: {exc}") from None
+    if not secret:
+        raise ValueError(f"--cluster-secret-file: {path} is empty")
+    return secret
+
+
+def _merge(values: dict[str, Any], source: dict[str, Any]) -> None:
+    """Add one source's settings over `values`; a secret file there becomes its secret."""
+    source = dict(source)
+    path = source.pop("cluster_secret_file", None)
+    if path is not None:
+        if source.get("cluster_secret"):
+            raise ValueError("--cluster-secret-file: give the secret or a file holding it, "
+                             "not both")
+        source["cluster_secret"] = read_secret_file(str(path))
+    values.update(source)
 
 
 def parse_config(argv: Sequence[str] | None = None,
@@ -62,14 +127,12 @@ def parse_config(argv: Sequence[str] | None = None,
     args = build_parser().parse_args(argv)
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
-    if env.get("MOONCAKE_CLUSTER_SECRET"):
-        values["cluster_secret"] = env["MOONCAKE_CLUSTER_SECRET"]
+    _merge(values, {key: env[var] for var, key in _ENV if env.get(var)})
     if args.config:
         by_flag = {flag[2:].replace("-", "_"): dest for flag, dest, _, _ in _FLAGS}
-        values.update({by_flag.get(k, k): v for k, v in load_yaml(args.config).items()})
-    for key, val in vars(args).items():
-        if key != "config" and val is not None:
-            values[key] = val
+        _merge(values, {by_flag.get(k, k): v for k, v in load_yaml(args.config).items()})
+    _merge(values, {key: val for key, val in vars(args).items()
+                    if key != "config" and val is not None})
     known = {f.name for f in dataclasses.fields(ServerConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -78,6 +141,15 @@ def parse_config(argv: Sequence[str] | None = None,
         if field in values:
             values[field] = parse_size(values[field], flag)
     return ServerConfig(**values)
+
+
+def check_can_start(config: ServerConfig) -> None:
+    """Refuse to run a cluster role whose internal endpoints would be open to anyone."""
+    if config.role in _CLUSTER_ROLES and not config.cluster_secret:
+        raise ValueError(
+            f"--cluster-secret: required for --role {config.role} (or --cluster-secret-file, "
+            "MOONCAKE_CLUSTER_SECRET): without it anyone could register instances or read and "
+            "write the store")
 
 
 def run(config: ServerConfig) -> None:
@@ -101,10 +173,26 @@ def run(config: ServerConfig) -> None:
                                   lifespan="on")).run()
 
 
+def _profile(argv: list[str]) -> None:
+    """`mooncake-server profile ...`: measure the model, write the cost model for --profile."""
+    from mooncake_server.profiling import main as profile_main
+
+    try:
+        profile_main(argv)
+    except ValueError as exc:
+        print(f"mooncake-server profile: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point: bad flags exit 2 with one clear line."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["profile"]:
+        _profile(args[1:])
+        return
     try:
-        config = parse_config(argv)
+        config = parse_config(args)
+        check_can_start(config)
     except ValueError as exc:
         print(f"mooncake-server: error: {exc}", file=sys.stderr)
         sys.exit(2)

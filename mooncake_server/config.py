@@ -12,6 +12,7 @@ from typing import Any
 ROLES = ("conductor", "prefill", "decode", "store", "all", "colocated")
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+POLICIES = ("random", "load", "cache-local", "cache-global")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -56,12 +57,33 @@ class ServerConfig:
 
     # Store
     store_memory_bytes: int = 2 << 30
+    store_ssd_dir: str | None = None  # None = no SSD tier
+    store_ssd_capacity_bytes: int = 64 << 30
+    store_demote_after_s: float = 300.0  # idle objects move from DRAM to SSD after this long
+    store_replicas: int = 1  # copies of each block across store nodes (conductor's placement)
+    store_high_watermark: float = 0.95  # DRAM fraction above which LRU eviction starts
 
     # Transfer engine
     transfer_port: int = 0
     transport: str = "auto"
     transfer_timeout_s: float = 10.0
     cluster_secret: str = field(default="", repr=False)
+
+    # Public API: who may call it and how big a request may be
+    api_key: str = field(default="", repr=False)  # "" = the public API is open
+    max_request_bytes: int = 8 << 20  # body size of a /v1 request (413 above)
+    max_messages: int = 2048  # chat messages per request (OpenAI's own limit)
+    max_prompt_tokens: int | None = None  # None = the context window
+    max_tokens_limit: int | None = None  # largest max_tokens a client may ask; None = context
+    max_stop_sequences: int = 4  # OpenAI's own limit
+    max_stop_chars: int = 256  # characters per stop sequence
+    log_prompts: bool = False  # prompts never reach the logs unless asked
+
+    # Scheduling (conductor): Algorithm 1 policy, SLOs for early rejection, the cost model
+    policy: str = "cache-global"  # random | load | cache-local | cache-global
+    ttft_slo_s: float | None = None  # None = never reject on TTFT
+    tbt_slo_s: float | None = None  # None = never reject on TBT
+    profile_path: str | None = None  # `mooncake-server profile` output; None = built-in model
 
     # Control plane
     heartbeat_interval_s: float = 1.0
@@ -84,12 +106,53 @@ class ServerConfig:
             raise ValueError("--kv-memory: must be positive")
         if self.store_memory_bytes <= 0:
             raise ValueError("--memory: must be positive")
+        if self.store_ssd_capacity_bytes <= 0:
+            raise ValueError("--ssd-capacity: must be positive")
+        if self.store_ssd_dir is not None and not self.store_ssd_dir.strip():
+            raise ValueError("--ssd-dir: must not be empty")
+        if not self.store_demote_after_s > 0:
+            raise ValueError("--demote-after: must be positive (seconds)")
+        if not 0.0 < self.store_high_watermark <= 1.0:
+            raise ValueError("--high-watermark: must be in (0, 1]")
+        if not 1 <= self.store_replicas <= 16:
+            raise ValueError(f"--replicas: must be in 1..16, got {self.store_replicas}")
         if self.max_batch_size < 1:
             raise ValueError("--max-batch-size: must be at least 1")
         if self.prefill_chunk_tokens < self.block_tokens:
             raise ValueError("--prefill-chunk: must be at least --block-tokens")
+        self._check_request_limits()
+        self._check_scheduling()
         if self.role in ("prefill", "decode", "store") and not self.conductor_url:
             raise ValueError(f"--conductor-url: required for --role {self.role}")
+
+    def _check_scheduling(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy: must be one of {', '.join(POLICIES)}, got "
+                             f"{self.policy!r}")
+        for flag, value in (("--ttft-slo", self.ttft_slo_s), ("--tbt-slo", self.tbt_slo_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{flag}: must be positive (seconds), got {value}")
+        if self.profile_path is not None and not self.profile_path.strip():
+            raise ValueError("--profile: must not be empty")
+
+    def _check_request_limits(self) -> None:
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-size: must be at least 1KiB, got "
+                             f"{self.max_request_bytes}")
+        if self.max_messages < 1:
+            raise ValueError(f"--max-messages: must be at least 1, got {self.max_messages}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"--max-prompt-tokens: must be at least 1, got "
+                             f"{self.max_prompt_tokens}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"--max-tokens-limit: must be at least 1, got "
+                             f"{self.max_tokens_limit}")
+        if self.max_stop_sequences < 0:
+            raise ValueError(f"--max-stop: must not be negative, got {self.max_stop_sequences}")
+        if self.max_stop_chars < 1:
+            raise ValueError(f"--max-stop-chars: must be at least 1, got {self.max_stop_chars}")
+        if self.api_key != self.api_key.strip() or any(c.isspace() for c in self.api_key):
+            raise ValueError("--api-key: must not contain whitespace")
 
     @property
     def public_host(self) -> str:

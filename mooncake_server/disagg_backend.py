@@ -1,7 +1,8 @@
 """The conductor's `Backend`: a request crosses a prefill instance, the store and a decode instance.
 
 A request walks, in order:
-  placed (store, prefill, decode picked among live instances) -> block keys computed ->
+  block keys computed -> placed (home store node = longest cached prefix per the global store
+  index, else round-robin; prefill, decode picked among live instances) ->
   prefilling (POST /internal/prefill; the prompt's KV lands in the store) -> first token yielded ->
   decoding (POST /internal/decode, NDJSON stream of tokens 2..N) -> finished.
 A request that ends before the decode instance took it over (EOS or max_tokens at the first
@@ -39,6 +40,7 @@ from mooncake_server.messages import (
 )
 from mooncake_server.model_assets import served_name
 from mooncake_server.registry import InstanceRegistry
+from mooncake_server.store.master import StoreMaster
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +136,16 @@ class DisaggregatedBackend:
         registry: InstanceRegistry,
         http: httpx.AsyncClient,
         picker: InstancePicker | None = None,
+        store_master: StoreMaster | None = None,
     ) -> None:
         self._config = config
         self._registry = registry
         self._http = http
         self._picker = picker or RoundRobinPicker(registry)
+        # The global store index; the conductor passes the one its /internal/store routes feed.
+        self.store_master = store_master or StoreMaster(
+            registry, config.store_replicas, config.cluster_secret)
+        self._copy_tasks: set[asyncio.Task[int]] = set()
         self._headers = secret_headers(config.cluster_secret)
         self.namespace = kv_namespace(
             served_name(config.model, config.served_model_name), config.dtype, config.block_tokens
@@ -182,7 +189,7 @@ class DisaggregatedBackend:
             keys = await asyncio.to_thread(block_keys, ids, bt, ns)
         else:
             keys = block_keys(ids, bt, ns)
-        store = self._picker.pick_store(request, keys)
+        store = self._pick_store(request, keys)
         if store is None:
             raise BackendError("no store instance available", 503)
         prefill = self._picker.pick_prefill(request, keys)
@@ -197,6 +204,32 @@ class DisaggregatedBackend:
         location = StoreLocation(instance_id=store.instance_id, url=store.url,
                                  transfer_address=store.transfer_address, segment=store.segment)
         return _Flow(request, keys, Placement(store, prefill, decode), location)
+
+    def _pick_store(self, request: GenerateRequest, keys: list[str]) -> InstanceInfo | None:
+        """The picker's store node; the round-robin picker defers to the node holding the
+        longest cached prefix (one index query, which also counts hits for hot blocks).
+
+        The job names it as the request's home node; blocks themselves live on their ring
+        targets and are found through the index. Hot cached blocks gain replicas meanwhile.
+        """
+        master = self.store_master
+        prefix = master.prefix(keys) if keys else None
+        if prefix is not None and prefix.prefix:
+            master.note_hits(keys[:prefix.prefix])
+            self._spawn_hot_copies(keys[:prefix.prefix])
+            best = max(prefix.by_node.items(), key=lambda kv: (kv[1], kv[0]), default=None)
+            if isinstance(self._picker, RoundRobinPicker) and best is not None and best[1] > 0:
+                info = self._registry.get(best[0])
+                if info is not None:
+                    return info
+        return self._picker.pick_store(request, keys)
+
+    def _spawn_hot_copies(self, keys: list[str]) -> None:
+        if not self.store_master.hot_plan(keys):
+            return
+        task = asyncio.create_task(self.store_master.replicate_hot(keys, self._http))
+        self._copy_tasks.add(task)
+        task.add_done_callback(self._copy_tasks.discard)
 
     async def _prefill(self, flow: _Flow) -> PrefillResult:
         prefill = flow.placement.prefill
@@ -267,18 +300,22 @@ class DisaggregatedBackend:
             raise BackendError(f"{where} sent an invalid stream line", 502) from exc
 
     async def _remove_tail(self, flow: _Flow) -> None:
-        """Drop the request's partial tail block: no decode instance will read it."""
+        """Drop the request's partial tail block from every node that holds it: no decode
+        instance will read it."""
         tail = flow.result.tail_key if flow.result else None
         if tail is None:
             return
         flow.tail_settled = True  # NOTE: try once, whatever the outcome
-        store = flow.placement.store
-        try:
-            response = await self._http.post(
-                f"{store.url}/store/remove", content=StoreKeys(keys=[tail]).model_dump_json(),
-                headers={**self._headers, "content-type": "application/json"}, timeout=5.0)
-            if not response.is_success:
-                log.warning("store %s refused to remove tail %s: %s", store.instance_id, tail,
-                            _peer_message(response))
-        except httpx.HTTPError as exc:
-            log.warning("removing tail %s from store %s failed: %r", tail, store.instance_id, exc)
+        where = self.store_master.locate([tail])
+        for replica in where.replicas[0]:
+            store = where.nodes[replica.node_id]
+            try:
+                response = await self._http.post(
+                    f"{store.url}/store/remove", content=StoreKeys(keys=[tail]).model_dump_json(),
+                    headers={**self._headers, "content-type": "application/json"}, timeout=5.0)
+                if not response.is_success:
+                    log.warning("store %s refused to remove tail %s: %s", store.instance_id,
+                                tail, _peer_message(response))
+            except httpx.HTTPError as exc:
+                log.warning("removing tail %s from store %s failed: %r", tail,
+                            store.instance_id, exc)

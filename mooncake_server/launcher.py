@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -42,6 +43,14 @@ class Cluster:
 
     proc: subprocess.Popen[bytes]
     port: int
+    secret: str = ""  # the cluster secret, for reading internal roles' /metrics
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        """Headers that internal endpoints (and internal roles' /metrics) accept."""
+        from mooncake_server.internal_http import secret_headers
+
+        return secret_headers(self.secret)
 
     @property
     def url(self) -> str:
@@ -69,8 +78,10 @@ def start_cluster(role: str, extra: list[str] | None = None) -> Cluster:
     port = free_port_block(5)
     argv = [sys.executable, "-m", "mooncake_server", "--role", role, "--port", str(port),
             "--kv-memory", "512MiB", "--memory", "1GiB", *(extra or [])]
-    proc = subprocess.Popen(argv, start_new_session=True)
-    cluster = Cluster(proc, port)
+    secret = secrets.token_hex(16)
+    env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": secret}
+    proc = subprocess.Popen(argv, start_new_session=True, env=env)
+    cluster = Cluster(proc, port, secret)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

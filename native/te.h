@@ -4,7 +4,8 @@
  *   te_crc32c.c  CRC32C (SSE4.2 with a table fallback)
  *   te_wire.c    deadline-bounded socket I/O, frame encoding, HMAC handshake
  *   te_server.c  registered regions + the listener serving READ/WRITE/INFO frames
- *   te_client.c  peers, pooled connections, open_segment, one slice over shm or TCP
+ *   te_client.c  peers, pooled connections, open_segment, one slice over shm, RDMA or TCP
+ *   te_rdma.c    libibverbs RC queue pairs (only with TE_HAVE_VERBS; stubs otherwise)
  *   te_batch.c   batches, the request queue and the worker threads
  *   transfer_engine.c  the CPython module (the only file that touches the GIL)
  */
@@ -33,16 +34,21 @@
 #define TE_MAX_SERVER_CONNS 1024
 #define TE_MAX_POOL 64
 #define TE_SOCKET_BUFFER (4 << 20)
+#define TE_MAX_GROUP 16 /* small requests pipelined together on one connection */
+#define TE_SHM_SLICE (256u << 10)
 
-enum { TE_OP_INFO = 1, TE_OP_READ = 2, TE_OP_WRITE = 3 };           /* wire ops */
+/* wire ops: CRC returns the CRC32C of a range (RDMA verification), RDMA_CONNECT swaps QP info */
+enum { TE_OP_INFO = 1, TE_OP_READ = 2, TE_OP_WRITE = 3, TE_OP_CRC = 4, TE_OP_RDMA_CONNECT = 5 };
+enum { TE_FLAG_CRC = 1 };                                 /* request flags: verify this slice */
+enum { TE_STATUS_OK = 0, TE_STATUS_ERROR = 1, TE_STATUS_CRC = 2 };  /* response status */
 enum { TE_REQ_READ = 0, TE_REQ_WRITE = 1 };                         /* Python-facing Op */
 enum { TE_STATE_PENDING = 0, TE_STATE_DONE = 1, TE_STATE_FAILED = 2 };
-enum { TE_MODE_AUTO = 0, TE_MODE_SHM = 1, TE_MODE_TCP = 2 };
-enum { TE_TRANSPORT_SHM = 1, TE_TRANSPORT_TCP = 2 };
+enum { TE_MODE_AUTO = 0, TE_MODE_SHM = 1, TE_MODE_TCP = 2, TE_MODE_RDMA = 3 };
+enum { TE_TRANSPORT_SHM = 1, TE_TRANSPORT_TCP = 2, TE_TRANSPORT_RDMA = 3 };
 
 /* I/O results: 0 ok, negative failure (message in te_err). */
 enum { TE_IO_ERROR = -1, TE_IO_TIMEOUT = -2, TE_IO_CLOSED = -3, TE_IO_STOPPED = -4,
-       TE_REMOTE_ERROR = -5, TE_AUTH_ERROR = -6, TE_PEER_DOWN = -7 };
+       TE_REMOTE_ERROR = -5, TE_AUTH_ERROR = -6, TE_PEER_DOWN = -7, TE_CRC_ERROR = -8 };
 
 typedef struct { char msg[TE_MSG_LEN]; } te_err;
 
@@ -54,17 +60,27 @@ uint32_t te_crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t te_crc32c_sw(uint32_t crc, const void *buf, size_t len);
 
 /* ---- wire ------------------------------------------------------------------------------- */
-#define TE_REQ_HDR_LEN 32  /* magic u32, op u8, name_len u8, pad u16, offset u64, length u64, pad u64 */
-#define TE_RESP_HDR_LEN 16 /* magic u32, status u32, length u64 */
-#define TE_INFO_LEN (8 + 4 + 4 + 8 + 8 + TE_BOOT_ID_LEN)
-#define TE_FRAME_MAGIC 0x3154434du /* "MCT1" little-endian */
+/* request: magic u32, op u8, name_len u8, flags u8, pad u8, offset u64, length u64, crc u32, pad */
+#define TE_REQ_HDR_LEN 32
+#define TE_RESP_HDR_LEN 24 /* magic u32, status u32, length u64, crc u32, pad u32 */
+#define TE_INFO_LEN (8 + 4 + 4 + 8 + 8 + TE_BOOT_ID_LEN + 8 + 4 + 4)
+#define TE_QP_INFO_LEN 32  /* qpn u32, psn u32, lid u16, mtu u8, pad u8, gid[16], pad u32 */
+#define TE_FRAME_MAGIC 0x3254434du /* "MCT2" little-endian */
 
 typedef struct {
     uint8_t op;
     uint8_t name_len;
+    uint8_t flags;
     uint64_t offset;
     uint64_t length;
+    uint32_t crc; /* WRITE with TE_FLAG_CRC: CRC32C of the payload as the sender saw it */
 } te_req_hdr;
+
+typedef struct {
+    uint32_t status;
+    uint64_t length;
+    uint32_t crc; /* READ with TE_FLAG_CRC, and CRC: CRC32C of the range as the server sees it */
+} te_resp_hdr;
 
 typedef struct {
     uint64_t size;
@@ -72,7 +88,18 @@ typedef struct {
     int32_t fd; /* -1 when the segment is not shareable */
     uint64_t dev, ino;
     char boot_id[TE_BOOT_ID_LEN];
+    uint64_t rdma_addr; /* base address for one-sided access; 0 = no RDMA for this segment */
+    uint32_t rkey;
+    uint32_t rdma_ok;
 } te_info;
+
+/* What an RC queue pair needs from its remote end (exchanged over the TCP control connection). */
+typedef struct {
+    uint32_t qpn, psn;
+    uint16_t lid;
+    uint8_t mtu; /* enum ibv_mtu */
+    uint8_t gid[16];
+} te_qp_info;
 
 void te_put_u32(uint8_t *p, uint32_t v);
 void te_put_u64(uint8_t *p, uint64_t v);
@@ -80,9 +107,12 @@ uint32_t te_get_u32(const uint8_t *p);
 uint64_t te_get_u64(const uint8_t *p);
 void te_encode_req(uint8_t out[TE_REQ_HDR_LEN], const te_req_hdr *h);
 int te_decode_req(const uint8_t in[TE_REQ_HDR_LEN], te_req_hdr *h);
-void te_encode_resp(uint8_t out[TE_RESP_HDR_LEN], uint32_t status, uint64_t length);
+void te_encode_resp(uint8_t out[TE_RESP_HDR_LEN], uint32_t status, uint64_t length, uint32_t crc);
+int te_decode_resp(const uint8_t in[TE_RESP_HDR_LEN], te_resp_hdr *h);
 void te_encode_info(uint8_t out[TE_INFO_LEN], const te_info *info);
 void te_decode_info(const uint8_t in[TE_INFO_LEN], te_info *info);
+void te_encode_qp(uint8_t out[TE_QP_INFO_LEN], const te_qp_info *q);
+void te_decode_qp(const uint8_t in[TE_QP_INFO_LEN], te_qp_info *q);
 
 /* deadline: absolute te_now() seconds, 0 = wait forever; stop_fd readable aborts (-1 = none). */
 int te_wait_fd(int fd, short events, double deadline, int stop_fd, te_err *e);
@@ -106,7 +136,12 @@ typedef struct te_region {
     int refs;      /* in-flight users, guarded by regions_mu */
     int removed;   /* unlinked from the list, waiting for refs to drain */
     void *owner;   /* opaque owner handle for the binding layer (a Py_buffer) */
+    void *mr;      /* struct ibv_mr * when registered with the RDMA device, else NULL */
+    uint32_t lkey, rkey;
 } te_region;
+
+struct te_rdma;      /* the opened device (te_rdma.c) */
+struct te_rdma_conn; /* one connected RC queue pair (te_rdma.c) */
 
 typedef struct te_peer {
     struct te_peer *next;
@@ -119,6 +154,10 @@ typedef struct te_peer {
     int n_idle, n_open, max_open;
     double failed_at; /* monotonic time of the last hard failure, 0 = healthy */
     char fail_reason[TE_MSG_LEN];
+    /* RDMA queue pairs to this peer, pooled like the TCP connections (guarded by mu) */
+    struct te_rdma_conn *rdma_idle[TE_MAX_POOL];
+    int n_rdma_idle, n_rdma_open;
+    double rdma_failed_at; /* last RDMA failure: older slices go straight to TCP */
 } te_peer;
 
 typedef struct te_segment {
@@ -128,6 +167,9 @@ typedef struct te_segment {
     int transport;
     uint8_t *map; /* shm mapping of the peer's segment, NULL for TCP */
     size_t map_len;
+    uint64_t rdma_addr; /* the peer's base address and rkey, for TE_TRANSPORT_RDMA */
+    uint32_t rkey;
+    char fallback[TE_MSG_LEN]; /* why a better transport was not used ("" if none was possible) */
 } te_segment;
 
 struct te_batch;
@@ -162,7 +204,10 @@ typedef struct te_engine {
     size_t slice_bytes;
     int conns_per_peer;
     double timeout_s;
+    int verify_crc; /* per-slice CRC32C, checked by whoever receives the bytes */
     char boot_id[TE_BOOT_ID_LEN];
+    struct te_rdma *rdma; /* NULL: no RDMA device opened */
+    int rdma_required;    /* transport forced to RDMA: a region the NIC refuses is an error */
     int stop_fd;   /* eventfd, readable once the engine is closing */
     int notify_fd; /* eventfd, bumped whenever a batch completes */
     int closed;
@@ -215,12 +260,56 @@ te_region *te_region_ref_addr(te_engine *eng, const uint8_t *addr, uint64_t len)
 void te_region_unref(te_engine *eng, te_region *r);
 
 /* te_client.c */
-/* Returns a handle > 0, or -1 with e set (auth_failed set when the peer refused us). */
+/* The transport for a segment: mode is TE_MODE_*, the flags say what is possible. Returns
+ * TE_TRANSPORT_* or -1 with e set (a forced transport that cannot be used). */
+int te_pick_transport(int mode, int shm_ok, int rdma_local, int rdma_peer, te_err *e);
+/* Returns a handle > 0, or -1 with e set. */
 int te_open_segment(te_engine *eng, const char *host, int port, const char *name, int mode,
                     te_err *e);
 te_segment *te_segment_get(te_engine *eng, int handle);
 int te_run_slice(te_engine *eng, te_request *req, uint64_t off, uint64_t len, te_err *e);
+/* n (<= TE_MAX_GROUP) whole requests to one segment, each no bigger than a slice: rcs[i] and
+ * errs[i] receive each one's outcome, as te_run_slice would give it. */
+void te_run_group(te_engine *eng, te_request **reqs, int n, int *rcs, te_err *errs);
 void te_peers_close(te_engine *eng);
+
+/* te_peer.c */
+te_peer *te_get_peer(te_engine *eng, const char *host, int port, te_err *e);
+/* A fresh authenticated TCP connection to p (not pooled), or a negative TE_IO_* code. */
+int te_connect_peer(te_engine *eng, te_peer *p, double deadline, te_err *e);
+/* A pooled connection to p: an idle one unless fresh, else a new one within the pool limit.
+ * Gives up at once if p failed at or after not_before (0: never), so slices queued behind a
+ * dead peer do not each wait out the timeout. Returns fd or a negative TE_IO_* code. */
+int te_pool_acquire(te_engine *eng, te_peer *p, int fresh, double deadline, double not_before,
+                    te_err *e);
+void te_pool_release(te_peer *p, int fd, int healthy);
+struct te_rdma_conn *te_rdma_pool_acquire(te_engine *eng, te_peer *p, const char *name,
+                                          double deadline, te_err *e);
+void te_rdma_pool_release(te_peer *p, struct te_rdma_conn *c, int healthy);
+/* One request frame on an open connection; see te_client.c. */
+int te_tcp_frame(te_engine *eng, int fd, const te_req_hdr *h, const char *name, uint8_t *data,
+                 uint64_t data_len, te_resp_hdr *resp, double deadline, te_err *e);
+
+/* te_rdma.c: every function fails cleanly when built without TE_HAVE_VERBS */
+int te_rdma_built(void);
+/* Device names into out (NUL-separated, at most cap bytes); count >= 0, or -1 with e set. */
+int te_rdma_probe(char *out, size_t cap, te_err *e);
+struct te_rdma *te_rdma_open(const char *device, int gid_index, te_err *e);
+void te_rdma_close(struct te_rdma *r);
+const char *te_rdma_name(const struct te_rdma *r);
+int te_rdma_reg(struct te_rdma *r, te_region *reg, te_err *e);
+void te_rdma_dereg(te_region *reg);
+/* Server side of RDMA_CONNECT: a QP connected to the client's; destroyed with te_rdma_conn_free. */
+struct te_rdma_conn *te_rdma_accept(struct te_rdma *r, const te_qp_info *remote,
+                                    te_qp_info *local, te_err *e);
+/* Client side: new QP, swap info over ctl_fd (kept by the conn and closed with it). */
+struct te_rdma_conn *te_rdma_connect(te_engine *eng, int ctl_fd, const char *name,
+                                     double deadline, te_err *e);
+void te_rdma_conn_free(struct te_rdma_conn *c);
+/* One signaled READ/WRITE of len bytes; waits for its completion until deadline. */
+int te_rdma_post(struct te_rdma_conn *c, int op, uint8_t *local, uint32_t lkey,
+                 uint64_t raddr, uint32_t rkey, uint64_t len, double deadline, int stop_fd,
+                 te_err *e);
 
 /* te_batch.c */
 int te_workers_start(te_engine *eng, int n, te_err *e);

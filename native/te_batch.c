@@ -72,6 +72,15 @@ uint64_t te_batch_alloc(te_engine *eng, size_t n, te_err *e)
     return b->id;
 }
 
+/* Slice size of a request: shared-memory copies are cut finer than network frames, so even a
+ * 1 MiB copy spreads over several cores (a memcpy slice costs no round trip). */
+static uint64_t slice_for(const te_engine *eng, const te_request *r)
+{
+    if (r->seg->transport == TE_TRANSPORT_SHM && eng->slice_bytes > TE_SHM_SLICE)
+        return TE_SHM_SLICE;
+    return eng->slice_bytes;
+}
+
 static void notify(te_engine *eng)
 {
     uint64_t one = 1;
@@ -108,7 +117,8 @@ int te_batch_submit(te_engine *eng, uint64_t id, te_request *reqs, size_t n, te_
             continue;
         }
         r->state = TE_STATE_PENDING;
-        r->slices_left = (int)((r->len + eng->slice_bytes - 1) / eng->slice_bytes);
+        uint64_t slice = slice_for(eng, r);
+        r->slices_left = (int)((r->len + slice - 1) / slice);
         b->pending++;
         if (tail)
             tail->qnext = r;
@@ -214,38 +224,76 @@ static void slice_done(te_engine *eng, te_request *r)
         notify(eng);
 }
 
+/* Take the next unit of work (queue_mu held): a slice of the head request, or, when the head
+ * is a whole small request, it and the small requests behind it to the same segment (a group
+ * pipelined on one connection). Returns how many requests were taken into group. */
+static int take_work(te_engine *eng, te_request **group, uint64_t *off, uint64_t *len)
+{
+    te_request *r = eng->q_head;
+    uint64_t slice = slice_for(eng, r);
+    *off = r->next_off;
+    *len = r->len - *off < slice ? r->len - *off : slice;
+    group[0] = r;
+    int n = 1;
+    if (*off == 0 && r->len <= slice) {
+        uint64_t bytes = r->len;
+        for (te_request *q = r->qnext; q && n < TE_MAX_GROUP; q = q->qnext) {
+            if (q->seg != r->seg || q->op != r->op || q->len > slice - bytes)
+                break;
+            bytes += q->len;
+            group[n++] = q;
+        }
+        for (int i = 0; i < n; i++)
+            group[i]->next_off = group[i]->len;
+        eng->q_head = group[n - 1]->qnext;
+    } else {
+        r->next_off += *len;
+        if (r->next_off >= r->len)
+            eng->q_head = r->qnext;
+    }
+    if (!eng->q_head)
+        eng->q_tail = NULL;
+    return n;
+}
+
 static void *worker_main(void *p)
 {
     te_engine *eng = p;
+    te_request *group[TE_MAX_GROUP];
+    int rcs[TE_MAX_GROUP];
+    te_err errs[TE_MAX_GROUP];
     pthread_mutex_lock(&eng->queue_mu);
     for (;;) {
         while (!eng->q_head && !eng->stopping)
             pthread_cond_wait(&eng->queue_cv, &eng->queue_mu);
         if (!eng->q_head)
             break; /* stopping and drained: every queued request has completed */
-        te_request *r = eng->q_head;
-        uint64_t off = r->next_off;
-        uint64_t len = r->len - off < eng->slice_bytes ? r->len - off : eng->slice_bytes;
-        r->next_off += len;
-        if (r->next_off >= r->len) {
-            eng->q_head = r->qnext;
-            if (!eng->q_head)
-                eng->q_tail = NULL;
-        }
+        uint64_t off, len;
+        int n = take_work(eng, group, &off, &len);
         int stopping = eng->stopping;
         pthread_mutex_unlock(&eng->queue_mu);
 
-        if (__atomic_load_n(&r->failed, __ATOMIC_ACQUIRE)) {
+        te_request *r = group[0];
+        if (stopping) {
+            for (int i = 0; i < n; i++)
+                if (!__atomic_load_n(&group[i]->failed, __ATOMIC_ACQUIRE))
+                    record_failure(eng, group[i], "the transfer engine was closed");
+        } else if (n > 1) {
+            memset(errs, 0, sizeof(te_err) * (size_t)n);
+            te_run_group(eng, group, n, rcs, errs);
+            for (int i = 0; i < n; i++)
+                if (rcs[i])
+                    record_failure(eng, group[i], errs[i].msg[0] ? errs[i].msg : "unknown error");
+        } else if (__atomic_load_n(&r->failed, __ATOMIC_ACQUIRE)) {
             /* an earlier slice failed: the request's outcome is already decided */
-        } else if (stopping) {
-            record_failure(eng, r, "the transfer engine was closed");
         } else {
             te_err err = {{0}};
             int rc = te_run_slice(eng, r, off, len, &err);
             if (rc)
                 record_failure(eng, r, err.msg[0] ? err.msg : "unknown error");
         }
-        slice_done(eng, r);
+        for (int i = 0; i < n; i++)
+            slice_done(eng, group[i]);
         pthread_mutex_lock(&eng->queue_mu);
     }
     pthread_mutex_unlock(&eng->queue_mu);

@@ -1,224 +1,117 @@
-/* Client side: peers with pooled authenticated connections, open_segment (INFO + optional shm
- * mapping), and running one slice of a request over shm (memcpy) or TCP (one frame).
+/* Client side: request frames, open_segment (INFO, then the transport: shm mapping, RDMA queue
+ * pair or TCP), and running one slice of a request, retried on another path before it fails:
+ * RDMA falls back to TCP, a TCP failure gets one fresh connection.
  */
 #include "te.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <netdb.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
-
-/* ---- peers and their connection pools --------------------------------------------------- */
-
-static te_peer *get_peer(te_engine *eng, const char *host, int port, te_err *e)
-{
-    char label[300];
-    snprintf(label, sizeof label, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
-    pthread_mutex_lock(&eng->peers_mu);
-    for (te_peer *p = eng->peers; p; p = p->next) {
-        if (strcmp(p->label, label) == 0) {
-            pthread_mutex_unlock(&eng->peers_mu);
-            return p;
-        }
-    }
-    pthread_mutex_unlock(&eng->peers_mu);
-
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                             .ai_flags = AI_NUMERICSERV};
-    struct addrinfo *res = NULL;
-    char portstr[16];
-    snprintf(portstr, sizeof portstr, "%d", port);
-    int gai = getaddrinfo(host, portstr, &hints, &res);
-    if (gai || !res) {
-        te_err_set(e, "cannot resolve '%s': %s", host, gai ? gai_strerror(gai) : "no address");
-        return NULL;
-    }
-    te_peer *np = calloc(1, sizeof *np);
-    if (!np) {
-        freeaddrinfo(res);
-        te_err_set(e, "out of memory");
-        return NULL;
-    }
-    snprintf(np->label, sizeof np->label, "%s", label);
-    memcpy(&np->addr, res->ai_addr, res->ai_addrlen);
-    np->addrlen = res->ai_addrlen;
-    freeaddrinfo(res);
-    np->max_open = eng->conns_per_peer;
-    pthread_mutex_init(&np->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&np->cv, &ca);
-    pthread_condattr_destroy(&ca);
-
-    pthread_mutex_lock(&eng->peers_mu);
-    for (te_peer *p = eng->peers; p; p = p->next) {
-        if (strcmp(p->label, label) == 0) { /* lost a race with another opener */
-            pthread_mutex_unlock(&eng->peers_mu);
-            pthread_mutex_destroy(&np->mu);
-            pthread_cond_destroy(&np->cv);
-            free(np);
-            return p;
-        }
-    }
-    np->next = eng->peers;
-    eng->peers = np;
-    pthread_mutex_unlock(&eng->peers_mu);
-    return np;
-}
-
-static int connect_peer(te_engine *eng, te_peer *p, double deadline, te_err *e)
-{
-    int fd = socket(p->addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) {
-        te_err_set(e, "cannot create a socket: %s", strerror(errno));
-        return TE_IO_ERROR;
-    }
-    te_tune_socket(fd);
-    int rc = 0;
-    if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen) < 0) {
-        if (errno != EINPROGRESS) {
-            te_err_set(e, "cannot connect: %s", strerror(errno));
-            rc = TE_IO_CLOSED;
-        } else if ((rc = te_wait_fd(fd, POLLOUT, deadline, eng->stop_fd, e)) == 0) {
-            int soerr = 0;
-            socklen_t sl = sizeof soerr;
-            getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
-            if (soerr) {
-                te_err_set(e, "cannot connect: %s", strerror(soerr));
-                rc = TE_IO_CLOSED;
-            }
-        } else if (rc == TE_IO_TIMEOUT) {
-            te_err_set(e, "connect timed out");
-        }
-    }
-    if (!rc)
-        rc = te_handshake_client(fd, eng->secret, eng->secret_len, deadline, eng->stop_fd, e);
-    if (rc) {
-        close(fd);
-        return rc;
-    }
-    return fd;
-}
-
-static void drop_idle_locked(te_peer *p)
-{
-    while (p->n_idle > 0) {
-        close(p->idle[--p->n_idle]);
-        p->n_open--;
-    }
-}
-
-/* A connection to p: an idle pooled one unless fresh, else a new one within the pool limit.
- * Gives up at once if p failed at or after not_before (0: never), so slices queued behind a
- * dead peer do not each wait out the timeout. */
-static int pool_acquire(te_engine *eng, te_peer *p, int fresh, double deadline,
-                        double not_before, te_err *e)
-{
-    pthread_mutex_lock(&p->mu);
-    for (;;) {
-        if (not_before > 0 && p->failed_at >= not_before) {
-            te_err_set(e, "peer unavailable: %s", p->fail_reason);
-            pthread_mutex_unlock(&p->mu);
-            return TE_PEER_DOWN;
-        }
-        if (fresh)
-            drop_idle_locked(p);
-        if (p->n_idle > 0) {
-            int fd = p->idle[--p->n_idle];
-            pthread_mutex_unlock(&p->mu);
-            return fd;
-        }
-        if (p->n_open < p->max_open) {
-            p->n_open++;
-            pthread_mutex_unlock(&p->mu);
-            int fd = connect_peer(eng, p, deadline, e);
-            if (fd < 0) {
-                pthread_mutex_lock(&p->mu);
-                p->n_open--;
-                pthread_cond_signal(&p->cv);
-                pthread_mutex_unlock(&p->mu);
-            }
-            return fd;
-        }
-        struct timespec ts;
-        double d = deadline;
-        ts.tv_sec = (time_t)d;
-        ts.tv_nsec = (long)((d - (double)ts.tv_sec) * 1e9);
-        if (pthread_cond_timedwait(&p->cv, &p->mu, &ts) == ETIMEDOUT) {
-            pthread_mutex_unlock(&p->mu);
-            te_err_set(e, "timed out waiting for a free connection");
-            return TE_IO_TIMEOUT;
-        }
-    }
-}
-
-static void pool_release(te_peer *p, int fd, int healthy)
-{
-    pthread_mutex_lock(&p->mu);
-    if (healthy && p->n_idle < TE_MAX_POOL) {
-        p->idle[p->n_idle++] = fd;
-    } else {
-        close(fd);
-        p->n_open--;
-        if (!healthy)
-            drop_idle_locked(p); /* the others most likely share the failure */
-    }
-    pthread_cond_signal(&p->cv);
-    pthread_mutex_unlock(&p->mu);
-}
 
 /* ---- one frame over TCP ----------------------------------------------------------------- */
 
-static int tcp_frame(te_engine *eng, int fd, uint8_t op, const char *name, uint64_t off,
-                     uint8_t *data, uint64_t len, double deadline, te_err *e)
+static uint64_t resp_payload_len(const te_req_hdr *h)
 {
-    /* INFO sends no length but expects TE_INFO_LEN bytes back into data */
-    te_req_hdr h = {.op = op, .name_len = (uint8_t)strlen(name), .offset = off,
-                    .length = op == TE_OP_INFO ? 0 : len};
-    uint8_t hdr[TE_REQ_HDR_LEN], resp[TE_RESP_HDR_LEN];
+    switch (h->op) {
+    case TE_OP_INFO: return TE_INFO_LEN;
+    case TE_OP_READ: return h->length;
+    case TE_OP_RDMA_CONNECT: return TE_QP_INFO_LEN;
+    default: return 0;
+    }
+}
+
+/* Send h (+ the WRITE / RDMA_CONNECT payload from data). */
+static int frame_send(te_engine *eng, int fd, const te_req_hdr *h_in, const char *name,
+                      uint8_t *data, double deadline, te_err *e)
+{
+    te_req_hdr h = *h_in;
+    h.name_len = (uint8_t)strlen(name);
+    uint8_t hdr[TE_REQ_HDR_LEN];
     te_encode_req(hdr, &h);
+    int sends = h.op == TE_OP_WRITE || h.op == TE_OP_RDMA_CONNECT;
     struct iovec iov[3] = {{hdr, sizeof hdr}, {(void *)name, h.name_len},
-                           {data, op == TE_OP_WRITE ? (size_t)len : 0}};
-    int rc = te_send_all(fd, iov, 3, deadline, eng->stop_fd, e);
-    if (!rc)
-        rc = te_recv_all(fd, resp, sizeof resp, deadline, eng->stop_fd, e);
+                           {data, sends ? (size_t)h.length : 0}};
+    return te_send_all(fd, iov, 3, deadline, eng->stop_fd, e);
+}
+
+/* Read the response to h; its payload (INFO, READ, RDMA_CONNECT) lands in data (data_len). */
+static int frame_recv(te_engine *eng, int fd, const te_req_hdr *h, uint8_t *data,
+                      uint64_t data_len, te_resp_hdr *resp, double deadline, te_err *e)
+{
+    uint8_t raw[TE_RESP_HDR_LEN];
+    int rc = te_recv_all(fd, raw, sizeof raw, deadline, eng->stop_fd, e);
     if (rc)
         return rc;
-    uint32_t status = te_get_u32(resp + 4);
-    uint64_t rlen = te_get_u64(resp + 8);
-    if (te_get_u32(resp) != TE_FRAME_MAGIC) {
+    if (te_decode_resp(raw, resp)) {
         te_err_set(e, "protocol error: bad response frame");
         return TE_IO_ERROR;
     }
-    if (status != 0) {
+    if (resp->status != TE_STATUS_OK) {
         char msg[TE_MSG_LEN];
-        if (rlen >= sizeof msg) {
+        if (resp->length >= sizeof msg) {
             te_err_set(e, "protocol error: oversized error frame");
             return TE_IO_ERROR;
         }
-        rc = te_recv_all(fd, msg, (size_t)rlen, deadline, eng->stop_fd, e);
+        rc = te_recv_all(fd, msg, (size_t)resp->length, deadline, eng->stop_fd, e);
         if (rc)
             return rc;
-        msg[rlen] = 0;
+        msg[resp->length] = 0;
+        if (resp->status == TE_STATUS_CRC) {
+            te_err_set(e, "%s", msg);
+            return TE_CRC_ERROR;
+        }
         te_err_set(e, "peer refused: %s", msg);
         return TE_REMOTE_ERROR;
     }
-    uint64_t want = op == TE_OP_WRITE ? 0 : len;
-    if (rlen != want) {
+    uint64_t want = resp_payload_len(h);
+    if (resp->length != want || want > data_len) {
         te_err_set(e, "protocol error: response carries %llu bytes, expected %llu",
-                   (unsigned long long)rlen, (unsigned long long)want);
+                   (unsigned long long)resp->length, (unsigned long long)want);
         return TE_IO_ERROR;
     }
     /* READ lands straight in the caller's registered memory */
-    return rlen ? te_recv_all(fd, data, (size_t)rlen, deadline, eng->stop_fd, e) : 0;
+    return want ? te_recv_all(fd, data, (size_t)want, deadline, eng->stop_fd, e) : 0;
+}
+
+int te_tcp_frame(te_engine *eng, int fd, const te_req_hdr *h, const char *name, uint8_t *data,
+                 uint64_t data_len, te_resp_hdr *resp, double deadline, te_err *e)
+{
+    int rc = frame_send(eng, fd, h, name, data, deadline, e);
+    return rc ? rc : frame_recv(eng, fd, h, data, data_len, resp, deadline, e);
+}
+
+/* ---- transport selection ---------------------------------------------------------------- */
+
+int te_pick_transport(int mode, int shm_ok, int rdma_local, int rdma_peer, te_err *e)
+{
+    switch (mode) {
+    case TE_MODE_SHM:
+        if (shm_ok)
+            return TE_TRANSPORT_SHM;
+        te_err_set(e, "shared memory is not possible with this peer");
+        return -1;
+    case TE_MODE_TCP:
+        return TE_TRANSPORT_TCP;
+    case TE_MODE_RDMA:
+        if (rdma_local && rdma_peer)
+            return TE_TRANSPORT_RDMA;
+        te_err_set(e, "%s", !rdma_local ? "this engine has no RDMA device open"
+                                        : "the peer serves this segment without RDMA");
+        return -1;
+    case TE_MODE_AUTO:
+        /* same host beats any NIC; a NIC beats the kernel's TCP stack */
+        if (shm_ok)
+            return TE_TRANSPORT_SHM;
+        return rdma_local && rdma_peer ? TE_TRANSPORT_RDMA : TE_TRANSPORT_TCP;
+    default:
+        te_err_set(e, "unknown transport mode %d", mode);
+        return -1;
+    }
 }
 
 /* ---- open_segment ----------------------------------------------------------------------- */
@@ -226,7 +119,7 @@ static int tcp_frame(te_engine *eng, int fd, uint8_t op, const char *name, uint6
 static int map_shm(const te_info *info, const char *my_boot_id, te_segment *s, te_err *e)
 {
     if (info->fd < 0) {
-        te_err_set(e, "the segment is plain registered memory (TCP only)");
+        te_err_set(e, "the segment is plain registered memory (not shareable)");
         return -1;
     }
     if (strcmp(info->boot_id, my_boot_id) != 0) {
@@ -260,6 +153,57 @@ static int map_shm(const te_info *info, const char *my_boot_id, te_segment *s, t
     return 0;
 }
 
+/* Bring one queue pair up now, so a broken RDMA path shows at open time, not mid-batch. */
+static int rdma_probe_path(te_engine *eng, te_segment *s, te_err *e)
+{
+    struct te_rdma_conn *c =
+        te_rdma_pool_acquire(eng, s->peer, s->name, te_now() + eng->timeout_s, e);
+    if (!c)
+        return -1;
+    te_rdma_pool_release(s->peer, c, 1);
+    return 0;
+}
+
+static int choose(te_engine *eng, te_segment *s, const te_info *info, int mode, te_err *e)
+{
+    te_err shm_why = {{0}}, rdma_why = {{0}};
+    int shm_ok = 0;
+    if (mode == TE_MODE_AUTO || mode == TE_MODE_SHM)
+        shm_ok = map_shm(info, eng->boot_id, s, &shm_why) == 0;
+    int t = te_pick_transport(mode, shm_ok, eng->rdma != NULL, info->rdma_ok != 0, e);
+    if (t < 0) {
+        if (mode == TE_MODE_SHM)
+            te_err_set(e, "shared-memory transport to segment '%s' is not possible: %s", s->name,
+                       shm_why.msg);
+        else
+            te_err_set(e, "RDMA transport to segment '%s' is not possible: %s", s->name,
+                       !eng->rdma ? "this engine has no RDMA device open"
+                                  : "the peer serves it without RDMA (no device there, or "
+                                    "the NIC refused to register it)");
+        return -1;
+    }
+    if (t == TE_TRANSPORT_RDMA) {
+        s->rdma_addr = info->rdma_addr;
+        s->rkey = info->rkey;
+        if (rdma_probe_path(eng, s, &rdma_why) == 0) {
+            s->transport = t;
+            return 0;
+        }
+        if (mode == TE_MODE_RDMA) {
+            te_err_set(e, "RDMA transport to segment '%s' failed: %s", s->name, rdma_why.msg);
+            return -1;
+        }
+        t = TE_TRANSPORT_TCP; /* auto: the NIC path is broken, TCP still works */
+    }
+    s->transport = t;
+    if (t == TE_TRANSPORT_TCP && mode == TE_MODE_AUTO)
+        snprintf(s->fallback, sizeof s->fallback, "shm: %.150s; rdma: %.150s", shm_why.msg,
+                 rdma_why.msg[0] ? rdma_why.msg
+                 : !eng->rdma   ? "no local RDMA device"
+                                : "the peer offers no RDMA for this segment");
+    return 0;
+}
+
 int te_open_segment(te_engine *eng, const char *host, int port, const char *name, int mode,
                     te_err *e)
 {
@@ -268,16 +212,18 @@ int te_open_segment(te_engine *eng, const char *host, int port, const char *name
         te_err_set(e, "segment name must be 1..%d bytes", TE_MAX_NAME);
         return -1;
     }
-    te_peer *p = get_peer(eng, host, port, e);
+    te_peer *p = te_get_peer(eng, host, port, e);
     if (!p)
         return -1;
     double deadline = te_now() + eng->timeout_s;
-    int fd = pool_acquire(eng, p, 0, deadline, 0, e);
+    int fd = te_pool_acquire(eng, p, 0, deadline, 0, e);
     if (fd < 0)
         return -1;
     uint8_t raw[TE_INFO_LEN];
-    int rc = tcp_frame(eng, fd, TE_OP_INFO, name, 0, raw, sizeof raw, deadline, e);
-    pool_release(p, fd, rc == 0 || rc == TE_REMOTE_ERROR);
+    te_req_hdr h = {.op = TE_OP_INFO};
+    te_resp_hdr resp;
+    int rc = te_tcp_frame(eng, fd, &h, name, raw, sizeof raw, &resp, deadline, e);
+    te_pool_release(p, fd, rc == 0 || rc == TE_REMOTE_ERROR);
     if (rc)
         return -1;
     te_info info;
@@ -291,17 +237,15 @@ int te_open_segment(te_engine *eng, const char *host, int port, const char *name
     s->peer = p;
     memcpy(s->name, name, name_len + 1);
     s->size = info.size;
-    s->transport = TE_TRANSPORT_TCP;
-    if (mode != TE_MODE_TCP) {
-        te_err why;
-        if (map_shm(&info, eng->boot_id, s, &why) == 0) {
-            s->transport = TE_TRANSPORT_SHM;
-        } else if (mode == TE_MODE_SHM) {
-            free(s);
-            te_err_set(e, "shared-memory transport to segment '%s' is not possible: %s", name,
-                       why.msg);
-            return -1;
-        }
+    if (choose(eng, s, &info, mode, e)) {
+        if (s->map)
+            munmap(s->map, s->map_len);
+        free(s);
+        return -1;
+    }
+    if (s->transport != TE_TRANSPORT_SHM && s->map) {
+        munmap(s->map, s->map_len);
+        s->map = NULL;
     }
     pthread_mutex_lock(&eng->peers_mu);
     int handle = -1;
@@ -329,37 +273,120 @@ te_segment *te_segment_get(te_engine *eng, int handle)
 
 /* ---- one slice -------------------------------------------------------------------------- */
 
-int te_run_slice(te_engine *eng, te_request *req, uint64_t off, uint64_t len, te_err *e)
+/* The failure record already names the request (op, length, offset, segment). */
+static int crc_mismatch(te_err *e, const char *op, uint32_t sent, uint32_t got)
+{
+    te_err_set(e, "CRC32C mismatch on %s: sender computed 0x%08x, receiver got 0x%08x", op, sent,
+               got);
+    return TE_CRC_ERROR;
+}
+
+static int shm_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t roff,
+                     uint64_t len, te_err *e)
 {
     te_segment *s = req->seg;
-    uint64_t roff = req->remote_off + off;
-    uint8_t *local = req->local + off;
-    if (s->transport == TE_TRANSPORT_SHM) {
-        if (roff > s->size || len > s->size - roff) {
-            te_err_set(e, "out of bounds: offset %llu + length %llu exceeds segment '%s' of "
-                          "%llu bytes", (unsigned long long)roff, (unsigned long long)len,
-                       s->name, (unsigned long long)s->size);
-            return TE_REMOTE_ERROR;
-        }
-        if (req->op == TE_REQ_READ)
-            memcpy(local, s->map + roff, len);
-        else
-            memcpy(s->map + roff, local, len);
-        return 0;
+    uint8_t *remote = s->map + roff;
+    uint8_t *src = req->op == TE_REQ_READ ? remote : local;
+    uint8_t *dst = req->op == TE_REQ_READ ? local : remote;
+    uint32_t before = eng->verify_crc ? te_crc32c(0, src, len) : 0;
+    memcpy(dst, src, len);
+    if (eng->verify_crc) {
+        uint32_t after = te_crc32c(0, dst, len);
+        if (after != before)
+            return crc_mismatch(e, req->op == TE_REQ_READ ? "READ" : "WRITE", before, after);
     }
+    return 0;
+}
 
+/* One RDMA attempt; the caller falls back to TCP when it fails. */
+static int rdma_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t roff,
+                      uint64_t len, te_err *e)
+{
+    te_segment *s = req->seg;
     te_peer *p = s->peer;
     double deadline = te_now() + eng->timeout_s;
-    uint8_t op = req->op == TE_REQ_READ ? TE_OP_READ : TE_OP_WRITE;
+    struct te_rdma_conn *c = te_rdma_pool_acquire(eng, p, s->name, deadline, e);
+    if (!c)
+        return TE_IO_ERROR;
+    int rc = te_rdma_post(c, req->op, local, req->local_region->lkey, s->rdma_addr + roff,
+                          s->rkey, len, deadline, eng->stop_fd, e);
+    te_rdma_pool_release(p, c, rc == 0);
+    if (rc || !eng->verify_crc)
+        return rc;
+    /* one-sided: the peer's CPU never saw the bytes, so ask it for the CRC of the range */
+    int fd = te_pool_acquire(eng, p, 0, deadline, 0, e);
+    if (fd < 0)
+        return fd;
+    te_req_hdr h = {.op = TE_OP_CRC, .offset = roff, .length = len};
+    te_resp_hdr resp;
+    rc = te_tcp_frame(eng, fd, &h, s->name, NULL, 0, &resp, deadline, e);
+    te_pool_release(p, fd, rc == 0 || rc == TE_REMOTE_ERROR);
+    if (rc)
+        return rc;
+    uint32_t mine = te_crc32c(0, local, len);
+    if (mine != resp.crc)
+        return req->op == TE_REQ_READ
+                   ? crc_mismatch(e, "RDMA READ", resp.crc, mine)
+                   : crc_mismatch(e, "RDMA WRITE", mine, resp.crc);
+    return 0;
+}
+
+static te_req_hdr data_hdr(te_engine *eng, const te_request *req, const uint8_t *local,
+                           uint64_t roff, uint64_t len)
+{
+    te_req_hdr h = {.op = req->op == TE_REQ_READ ? TE_OP_READ : TE_OP_WRITE, .offset = roff,
+                    .length = len, .flags = eng->verify_crc ? TE_FLAG_CRC : 0};
+    if (eng->verify_crc && req->op == TE_REQ_WRITE)
+        h.crc = te_crc32c(0, local, len); /* the server checks what it received against this */
+    return h;
+}
+
+/* The response to a data frame, with the READ-side CRC check. */
+static int data_recv(te_engine *eng, int fd, const te_req_hdr *h, uint8_t *local,
+                     double deadline, te_err *e)
+{
+    te_resp_hdr resp;
+    int rc = frame_recv(eng, fd, h, local, h->length, &resp, deadline, e);
+    if (!rc && eng->verify_crc && h->op == TE_OP_READ) {
+        uint32_t got = te_crc32c(0, local, h->length);
+        if (got != resp.crc)
+            rc = crc_mismatch(e, "READ", resp.crc, got);
+    }
+    return rc;
+}
+
+static int tcp_attempt(te_engine *eng, te_request *req, int fd, uint8_t *local, uint64_t roff,
+                       uint64_t len, double deadline, te_err *e)
+{
+    te_req_hdr h = data_hdr(eng, req, local, roff, len);
+    int rc = frame_send(eng, fd, &h, req->seg->name, local, deadline, e);
+    return rc ? rc : data_recv(eng, fd, &h, local, deadline, e);
+}
+
+static void mark_failed(te_peer *p, const char *why)
+{
+    pthread_mutex_lock(&p->mu);
+    p->failed_at = te_now();
+    snprintf(p->fail_reason, sizeof p->fail_reason, "%s", why);
+    pthread_mutex_unlock(&p->mu);
+}
+
+static int tcp_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t roff,
+                     uint64_t len, te_err *e)
+{
+    te_peer *p = req->seg->peer;
+    double deadline = te_now() + eng->timeout_s;
     int rc = TE_IO_ERROR;
     char first[TE_MSG_LEN] = {0};
     for (int attempt = 0; attempt < 2; attempt++) {
-        int fd = pool_acquire(eng, p, attempt > 0, deadline, req->submitted_at, e);
+        int fd = te_pool_acquire(eng, p, attempt > 0, deadline, req->submitted_at, e);
         if (fd < 0) {
             rc = fd;
         } else {
-            rc = tcp_frame(eng, fd, op, s->name, roff, local, len, deadline, e);
-            pool_release(p, fd, rc == 0 || rc == TE_REMOTE_ERROR);
+            rc = tcp_attempt(eng, req, fd, local, roff, len, deadline, e);
+            /* error frames and CRC verdicts leave the stream in sync: keep the connection */
+            int in_sync = rc == 0 || rc == TE_REMOTE_ERROR || rc == TE_CRC_ERROR;
+            te_pool_release(p, fd, in_sync);
             if (rc == 0 || rc == TE_REMOTE_ERROR)
                 return rc;
         }
@@ -377,35 +404,98 @@ int te_run_slice(te_engine *eng, te_request *req, uint64_t off, uint64_t len, te
             te_err_set(e, "%.150s; retry on a fresh connection: %.150s", first, second);
         }
     }
-    if (rc != TE_IO_STOPPED && rc != TE_PEER_DOWN) {
+    /* a corrupted slice says nothing about the peer's health */
+    if (rc != TE_IO_STOPPED && rc != TE_PEER_DOWN && rc != TE_CRC_ERROR)
+        mark_failed(p, e->msg);
+    return rc;
+}
+
+int te_run_slice(te_engine *eng, te_request *req, uint64_t off, uint64_t len, te_err *e)
+{
+    te_segment *s = req->seg;
+    uint64_t roff = req->remote_off + off;
+    uint8_t *local = req->local + off;
+    /* NOTE: over TCP the serving side checks (and must); shm and RDMA never ask it, so check
+     * here too (for RDMA the NIC also refuses anything outside the peer's registration) */
+    if (s->transport != TE_TRANSPORT_TCP && (roff > s->size || len > s->size - roff)) {
+        te_err_set(e, "out of bounds: offset %llu + length %llu exceeds segment '%s' of "
+                      "%llu bytes", (unsigned long long)roff, (unsigned long long)len,
+                   s->name, (unsigned long long)s->size);
+        return TE_REMOTE_ERROR;
+    }
+    if (s->transport == TE_TRANSPORT_SHM)
+        return shm_slice(eng, req, local, roff, len, e);
+
+    te_peer *p = s->peer;
+    char rdma_why[TE_MSG_LEN] = {0};
+    if (s->transport == TE_TRANSPORT_RDMA && req->local_region && req->local_region->mr) {
         pthread_mutex_lock(&p->mu);
-        p->failed_at = te_now();
-        snprintf(p->fail_reason, sizeof p->fail_reason, "%s", e->msg);
+        int skip = p->rdma_failed_at > 0 && p->rdma_failed_at >= req->submitted_at;
         pthread_mutex_unlock(&p->mu);
+        if (!skip) {
+            int rc = rdma_slice(eng, req, local, roff, len, e);
+            if (rc == 0 || rc == TE_IO_STOPPED)
+                return rc;
+            memcpy(rdma_why, e->msg, sizeof rdma_why);
+            pthread_mutex_lock(&p->mu);
+            p->rdma_failed_at = te_now(); /* slices already queued skip the broken NIC path */
+            pthread_mutex_unlock(&p->mu);
+        }
+    }
+    int rc = tcp_slice(eng, req, local, roff, len, e);
+    if (rc && rdma_why[0]) {
+        char tcp_why[TE_MSG_LEN];
+        memcpy(tcp_why, e->msg, sizeof tcp_why);
+        te_err_set(e, "RDMA: %.150s; retried over TCP: %.150s", rdma_why, tcp_why);
     }
     return rc;
 }
 
-void te_peers_close(te_engine *eng)
+/* Whole small requests to one TCP segment, pipelined on one connection: every frame is sent
+ * before the first answer is read, so n requests cost about one round trip instead of n.
+ * Whatever the pipeline could not settle goes through te_run_slice and its retries. */
+void te_run_group(te_engine *eng, te_request **reqs, int n, int *rcs, te_err *errs)
 {
-    for (int i = 0; i < eng->n_segments; i++) {
-        te_segment *s = eng->segments[i];
-        if (s->map)
-            munmap(s->map, s->map_len);
-        free(s);
-        eng->segments[i] = NULL;
+    enum { UNSETTLED = 1 };
+    te_segment *s = reqs[0]->seg;
+    for (int i = 0; i < n; i++)
+        rcs[i] = UNSETTLED;
+    if (n > 1 && s->transport == TE_TRANSPORT_TCP) {
+        te_peer *p = s->peer;
+        double deadline = te_now() + eng->timeout_s;
+        te_err e = {{0}};
+        te_req_hdr hs[TE_MAX_GROUP];
+        int fd = te_pool_acquire(eng, p, 0, deadline, reqs[0]->submitted_at, &e);
+        int rc = fd < 0 ? fd : 0, sent = 0;
+        for (; !rc && sent < n; sent++) {
+            hs[sent] = data_hdr(eng, reqs[sent], reqs[sent]->local, reqs[sent]->remote_off,
+                                reqs[sent]->len);
+            rc = frame_send(eng, fd, &hs[sent], s->name, reqs[sent]->local, deadline, &e);
+        }
+        for (int i = 0; !rc && i < sent; i++) {
+            int r = data_recv(eng, fd, &hs[i], reqs[i]->local, deadline, &errs[i]);
+            if (r == 0 || r == TE_REMOTE_ERROR)
+                rcs[i] = r;
+            else if (r != TE_CRC_ERROR) /* CRC: the stream is in sync, retry that one alone */
+                rc = r;
+        }
+        if (fd >= 0)
+            te_pool_release(p, fd, rc == 0);
+        if (rc == TE_IO_TIMEOUT || rc == TE_IO_STOPPED || rc == TE_PEER_DOWN) {
+            /* as in tcp_slice: a silent or dead peer gets no second timeout */
+            if (rc == TE_IO_TIMEOUT) {
+                te_err_set(&e, "no answer within the %.1f s timeout", eng->timeout_s);
+                mark_failed(p, e.msg);
+            }
+            for (int i = 0; i < n; i++) {
+                if (rcs[i] == UNSETTLED) {
+                    rcs[i] = rc;
+                    errs[i] = e;
+                }
+            }
+        }
     }
-    eng->n_segments = 0;
-    te_peer *p = eng->peers;
-    while (p) {
-        te_peer *next = p->next;
-        pthread_mutex_lock(&p->mu);
-        drop_idle_locked(p);
-        pthread_mutex_unlock(&p->mu);
-        pthread_mutex_destroy(&p->mu);
-        pthread_cond_destroy(&p->cv);
-        free(p);
-        p = next;
-    }
-    eng->peers = NULL;
+    for (int i = 0; i < n; i++)
+        if (rcs[i] == UNSETTLED)
+            rcs[i] = te_run_slice(eng, reqs[i], 0, reqs[i]->len, &errs[i]);
 }

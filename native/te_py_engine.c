@@ -104,14 +104,15 @@ static te_engine *engine_new(const char *secret, Py_ssize_t secret_len, size_t s
 static int Engine_init(Engine *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"secret", "host", "port", "slice_bytes", "connections_per_peer",
-                             "timeout_s", "serve", "workers", NULL};
+                             "timeout_s", "serve", "workers", "verify_crc", NULL};
     const char *secret, *host;
     Py_ssize_t secret_len;
-    int port, conns, serve, workers;
+    int port, conns, serve, workers, verify_crc = 0;
     unsigned long long slice;
     double timeout_s;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y#siKidpi", kwlist, &secret, &secret_len, &host,
-                                     &port, &slice, &conns, &timeout_s, &serve, &workers))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y#siKidpi|p", kwlist, &secret, &secret_len,
+                                     &host, &port, &slice, &conns, &timeout_s, &serve, &workers,
+                                     &verify_crc))
         return -1;
     if (self->eng) {
         PyErr_SetString(PyExc_RuntimeError, "Engine is already initialised");
@@ -128,6 +129,7 @@ static int Engine_init(Engine *self, PyObject *args, PyObject *kw)
         te_py_set_error(self->error, err.msg);
         return -1;
     }
+    eng->verify_crc = verify_crc;
     int rc = 0;
     Py_BEGIN_ALLOW_THREADS
     rc = te_workers_start(eng, workers, &err);
@@ -179,7 +181,42 @@ static PyObject *Engine_close(Engine *self, PyObject *unused)
             eng->slots[i] = NULL;
         }
     }
+    te_rdma_close(eng->rdma); /* last: every QP and memory registration is gone by now */
+    eng->rdma = NULL;
     Py_RETURN_NONE;
+}
+
+/* Open an RDMA device for this engine; only before any memory is registered or segment opened,
+ * so every region gets its memory registration. Returns the device name. */
+static PyObject *Engine_enable_rdma(Engine *self, PyObject *args)
+{
+    const char *device = NULL;
+    int gid_index = -1, required = 0;
+    if (!PyArg_ParseTuple(args, "zip", &device, &gid_index, &required) || te_py_enter(self))
+        return NULL;
+    te_py_leave(self);
+    te_engine *eng = self->eng;
+    pthread_mutex_lock(&eng->regions_mu);
+    int busy = eng->regions != NULL || eng->rdma != NULL;
+    pthread_mutex_unlock(&eng->regions_mu);
+    pthread_mutex_lock(&eng->peers_mu);
+    busy |= eng->n_segments > 0;
+    pthread_mutex_unlock(&eng->peers_mu);
+    if (busy)
+        return PyErr_Format(PyExc_RuntimeError, "enable_rdma must come before any memory is "
+                            "registered or segment opened, and only once");
+    te_err err = {{0}};
+    struct te_rdma *r;
+    Py_BEGIN_ALLOW_THREADS
+    r = te_rdma_open(device, gid_index, &err);
+    Py_END_ALLOW_THREADS
+    if (!r) {
+        te_py_set_error(self->error, err.msg);
+        return NULL;
+    }
+    eng->rdma = r;
+    eng->rdma_required = required;
+    return PyUnicode_FromString(te_rdma_name(r));
 }
 
 static void Engine_dealloc(Engine *self)
@@ -234,7 +271,8 @@ static PyObject *Engine_segment_info(Engine *self, PyObject *args)
     te_segment *s = te_segment_get(self->eng, handle);
     if (!s)
         return PyErr_Format(PyExc_ValueError, "unknown segment handle %d", handle);
-    return Py_BuildValue("(Ki)", (unsigned long long)s->size, s->transport);
+    return Py_BuildValue("(KiN)", (unsigned long long)s->size, s->transport,
+                         te_py_msg_str(s->fallback));
 }
 
 static PyObject *Engine_allocate_batch(Engine *self, PyObject *args)
@@ -442,11 +480,13 @@ static PyObject *Engine_get_closed(Engine *self, void *c)
 
 static PyMethodDef Engine_methods[] = {
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "Stop threads, drop connections."},
+    {"enable_rdma", (PyCFunction)Engine_enable_rdma, METH_VARARGS, "Open an RDMA device."},
     {"alloc_shared", (PyCFunction)te_py_alloc_shared, METH_VARARGS, "Allocate + register."},
     {"register_memory", (PyCFunction)te_py_register_memory, METH_VARARGS, "Register a buffer."},
     {"unregister_memory", (PyCFunction)te_py_unregister_memory, METH_VARARGS, "Unregister."},
     {"open_segment", (PyCFunction)Engine_open_segment, METH_VARARGS, "Open a peer segment."},
-    {"segment_info", (PyCFunction)Engine_segment_info, METH_VARARGS, "(size, transport)."},
+    {"segment_info", (PyCFunction)Engine_segment_info, METH_VARARGS,
+     "(size, transport, why a better transport was not used)."},
     {"allocate_batch", (PyCFunction)Engine_allocate_batch, METH_VARARGS, "New batch id."},
     {"submit_transfer", (PyCFunction)Engine_submit_transfer, METH_VARARGS, "Queue requests."},
     {"status", (PyCFunction)Engine_status, METH_VARARGS, "(state, message) of a request."},

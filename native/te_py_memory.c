@@ -61,6 +61,7 @@ PyType_Spec te_py_shared_spec = {
 
 void te_py_release_region(te_region *r)
 {
+    te_rdma_dereg(r); /* the NIC lets go of the pages before Python may free them */
     Py_buffer *view = r->owner;
     if (view) {
         PyBuffer_Release(view);

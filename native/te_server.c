@@ -1,8 +1,9 @@
 /* Registered regions and the server side: a listener thread plus one thread per connection
- * serving INFO / READ / WRITE frames against the regions of this engine.
+ * serving INFO / READ / WRITE / CRC / RDMA_CONNECT frames against the regions of this engine.
  *
  * Every frame is bounds-checked; a bad request gets an error frame (the stream stays in sync,
- * WRITE payloads are drained), a malformed frame closes that connection only.
+ * payloads are drained), a malformed frame closes that connection only. A queue pair set up by
+ * RDMA_CONNECT lives as long as the TCP connection that set it up.
  */
 #include "te.h"
 
@@ -32,6 +33,13 @@ int te_region_add(te_engine *eng, te_region *r, te_err *e)
             te_err_set(e, "memory for '%s' overlaps registered segment '%s'", r->name, it->name);
             return -1;
         }
+    }
+    /* NOTE: registered with the NIC under the lock, so a region is never visible without its
+     * keys. Unless RDMA was forced, a device that refuses the registration (locked-memory
+     * limit...) leaves the region shm/TCP-only: INFO then tells peers to use TCP. */
+    if (eng->rdma && te_rdma_reg(eng->rdma, r, e) && eng->rdma_required) {
+        pthread_mutex_unlock(&eng->regions_mu);
+        return -1;
     }
     r->next = eng->regions;
     eng->regions = r;
@@ -102,10 +110,13 @@ typedef struct {
     int fd;
 } conn_arg;
 
-static int send_error(te_engine *eng, int fd, double deadline, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
+static int has_payload(uint8_t op) { return op == TE_OP_WRITE || op == TE_OP_RDMA_CONNECT; }
 
-static int send_error(te_engine *eng, int fd, double deadline, const char *fmt, ...)
+static int send_status(te_engine *eng, int fd, double deadline, uint32_t status,
+                       const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+static int send_status(te_engine *eng, int fd, double deadline, uint32_t status,
+                       const char *fmt, ...)
 {
     char msg[TE_MSG_LEN];
     va_list ap;
@@ -117,10 +128,13 @@ static int send_error(te_engine *eng, int fd, double deadline, const char *fmt, 
     if ((size_t)n >= sizeof msg)
         n = sizeof msg - 1;
     uint8_t hdr[TE_RESP_HDR_LEN];
-    te_encode_resp(hdr, 1, (uint64_t)n);
+    te_encode_resp(hdr, status, (uint64_t)n, 0);
     struct iovec iov[2] = {{hdr, sizeof hdr}, {msg, (size_t)n}};
     return te_send_all(fd, iov, 2, deadline, eng->stop_fd, NULL);
 }
+
+#define send_error(eng, fd, deadline, ...) \
+    send_status(eng, fd, deadline, TE_STATUS_ERROR, __VA_ARGS__)
 
 static int drain(te_engine *eng, int fd, uint64_t len, double deadline)
 {
@@ -139,29 +153,59 @@ static int bounds_ok(const te_region *r, uint64_t off, uint64_t len)
     return off <= r->len && len <= r->len - off;
 }
 
+/* RDMA_CONNECT: build a QP answering the client's (replacing this connection's old one). */
+static int serve_rdma_connect(te_engine *eng, int fd, double deadline,
+                              struct te_rdma_conn **qp)
+{
+    uint8_t raw[TE_QP_INFO_LEN];
+    if (te_recv_all(fd, raw, sizeof raw, deadline, eng->stop_fd, NULL))
+        return -1;
+    if (!eng->rdma)
+        return send_error(eng, fd, deadline, "this peer has no RDMA device open") ? -1 : 0;
+    te_qp_info remote, local;
+    te_decode_qp(raw, &remote);
+    te_err err = {{0}};
+    struct te_rdma_conn *c = te_rdma_accept(eng->rdma, &remote, &local, &err);
+    if (!c)
+        return send_error(eng, fd, deadline, "RDMA connect refused: %s", err.msg) ? -1 : 0;
+    if (*qp)
+        te_rdma_conn_free(*qp);
+    *qp = c;
+    uint8_t hdr[TE_RESP_HDR_LEN], body[TE_QP_INFO_LEN];
+    te_encode_qp(body, &local);
+    te_encode_resp(hdr, TE_STATUS_OK, sizeof body, 0);
+    struct iovec iov[2] = {{hdr, sizeof hdr}, {body, sizeof body}};
+    return te_send_all(fd, iov, 2, deadline, eng->stop_fd, NULL) ? -1 : 0;
+}
+
 /* Serve one frame; returns 0 to keep the connection, -1 to close it. */
-static int serve_frame(te_engine *eng, int fd, const te_req_hdr *h, const char *name)
+static int serve_frame(te_engine *eng, int fd, const te_req_hdr *h, const char *name,
+                       struct te_rdma_conn **qp)
 {
     double deadline = te_now() + eng->timeout_s;
     te_region *r = te_region_ref_name(eng, name);
     uint8_t hdr[TE_RESP_HDR_LEN];
     int rc = 0;
+    int want_crc = (h->flags & TE_FLAG_CRC) != 0;
 
     if (!r) {
-        if (h->op == TE_OP_WRITE && drain(eng, fd, h->length, deadline))
+        if (has_payload(h->op) && drain(eng, fd, h->length, deadline))
             return -1;
         return send_error(eng, fd, deadline, "no segment named '%s' is registered on this peer",
                           name) ? -1 : 0;
     }
     if (h->op == TE_OP_INFO) {
         te_info info = {.size = r->len, .pid = (uint32_t)getpid(), .fd = r->shm_fd,
-                        .dev = r->dev, .ino = r->ino};
+                        .dev = r->dev, .ino = r->ino, .rdma_ok = r->mr != NULL,
+                        .rdma_addr = r->mr ? (uint64_t)(uintptr_t)r->addr : 0, .rkey = r->rkey};
         memcpy(info.boot_id, eng->boot_id, TE_BOOT_ID_LEN);
         uint8_t body[TE_INFO_LEN];
         te_encode_info(body, &info);
-        te_encode_resp(hdr, 0, TE_INFO_LEN);
+        te_encode_resp(hdr, TE_STATUS_OK, TE_INFO_LEN, 0);
         struct iovec iov[2] = {{hdr, sizeof hdr}, {body, sizeof body}};
         rc = te_send_all(fd, iov, 2, deadline, eng->stop_fd, NULL) ? -1 : 0;
+    } else if (h->op == TE_OP_RDMA_CONNECT) {
+        rc = serve_rdma_connect(eng, fd, deadline, qp);
     } else if (!bounds_ok(r, h->offset, h->length)) {
         if (h->op == TE_OP_WRITE && drain(eng, fd, h->length, deadline))
             rc = -1;
@@ -170,17 +214,30 @@ static int serve_frame(te_engine *eng, int fd, const te_req_hdr *h, const char *
                             "out of bounds: offset %llu + length %llu exceeds segment '%s' "
                             "of %zu bytes", (unsigned long long)h->offset,
                             (unsigned long long)h->length, name, r->len) ? -1 : 0;
+    } else if (h->op == TE_OP_CRC) {
+        uint32_t crc = te_crc32c(0, r->addr + h->offset, (size_t)h->length);
+        te_encode_resp(hdr, TE_STATUS_OK, 0, crc);
+        struct iovec iov = {hdr, sizeof hdr};
+        rc = te_send_all(fd, &iov, 1, deadline, eng->stop_fd, NULL) ? -1 : 0;
     } else if (h->op == TE_OP_READ) {
-        te_encode_resp(hdr, 0, h->length);
+        uint32_t crc = want_crc ? te_crc32c(0, r->addr + h->offset, (size_t)h->length) : 0;
+        te_encode_resp(hdr, TE_STATUS_OK, h->length, crc);
         /* zero-copy: the payload goes straight from registered memory to the socket */
         struct iovec iov[2] = {{hdr, sizeof hdr}, {r->addr + h->offset, (size_t)h->length}};
         rc = te_send_all(fd, iov, 2, deadline, eng->stop_fd, NULL) ? -1 : 0;
     } else {
+        /* NOTE: a truncated stream leaves a partly written range; its sender saw the slice fail */
+        uint32_t got = 0;
         if (te_recv_all(fd, r->addr + h->offset, (size_t)h->length, deadline, eng->stop_fd,
                         NULL)) {
             rc = -1;
+        } else if (want_crc &&
+                   (got = te_crc32c(0, r->addr + h->offset, (size_t)h->length)) != h->crc) {
+            rc = send_status(eng, fd, deadline, TE_STATUS_CRC,
+                             "CRC32C mismatch on WRITE: sender computed 0x%08x, receiver got "
+                             "0x%08x", h->crc, got) ? -1 : 0;
         } else {
-            te_encode_resp(hdr, 0, 0);
+            te_encode_resp(hdr, TE_STATUS_OK, 0, 0);
             struct iovec iov = {hdr, sizeof hdr};
             rc = te_send_all(fd, &iov, 1, deadline, eng->stop_fd, NULL) ? -1 : 0;
         }
@@ -197,6 +254,7 @@ static void *conn_main(void *p)
     free(a);
     te_tune_socket(fd);
     te_err err;
+    struct te_rdma_conn *qp = NULL;
     if (te_handshake_server(fd, eng->secret, eng->secret_len, te_now() + eng->timeout_s,
                             eng->stop_fd, &err) == 0) {
         for (;;) {
@@ -214,10 +272,12 @@ static void *conn_main(void *p)
             if (te_recv_all(fd, name, h.name_len, deadline, eng->stop_fd, NULL))
                 break;
             name[h.name_len] = 0;
-            if (strlen(name) != h.name_len || serve_frame(eng, fd, &h, name))
+            if (strlen(name) != h.name_len || serve_frame(eng, fd, &h, name, &qp))
                 break;
         }
     }
+    if (qp)
+        te_rdma_conn_free(qp);
     close(fd);
     pthread_mutex_lock(&eng->conns_mu);
     if (--eng->n_conns == 0)

@@ -23,7 +23,8 @@
 #include <string.h>
 #include <time.h>
 
-static const char HELLO[8] = {'M', 'C', 'T', 'E', 'H', 'S', '0', '1'};
+/* NOTE: the version digit changes with the frame format, so mismatched builds fail clearly */
+static const char HELLO[8] = {'M', 'C', 'T', 'E', 'H', 'S', '0', '2'};
 
 void te_err_set(te_err *e, const char *fmt, ...)
 {
@@ -76,8 +77,10 @@ void te_encode_req(uint8_t out[TE_REQ_HDR_LEN], const te_req_hdr *h)
     te_put_u32(out, TE_FRAME_MAGIC);
     out[4] = h->op;
     out[5] = h->name_len;
+    out[6] = h->flags;
     te_put_u64(out + 8, h->offset);
     te_put_u64(out + 16, h->length);
+    te_put_u32(out + 24, h->crc);
 }
 
 int te_decode_req(const uint8_t in[TE_REQ_HDR_LEN], te_req_hdr *h)
@@ -86,20 +89,34 @@ int te_decode_req(const uint8_t in[TE_REQ_HDR_LEN], te_req_hdr *h)
         return -1;
     h->op = in[4];
     h->name_len = in[5];
+    h->flags = in[6];
     h->offset = te_get_u64(in + 8);
     h->length = te_get_u64(in + 16);
-    if (h->op < TE_OP_INFO || h->op > TE_OP_WRITE || h->name_len == 0)
+    h->crc = te_get_u32(in + 24);
+    if (h->op < TE_OP_INFO || h->op > TE_OP_RDMA_CONNECT || h->name_len == 0)
+        return -1;
+    if (h->op == TE_OP_RDMA_CONNECT && h->length != TE_QP_INFO_LEN)
         return -1;
     if (h->op != TE_OP_INFO && h->length > TE_MAX_PAYLOAD)
         return -1;
     return 0;
 }
 
-void te_encode_resp(uint8_t out[TE_RESP_HDR_LEN], uint32_t status, uint64_t length)
+void te_encode_resp(uint8_t out[TE_RESP_HDR_LEN], uint32_t status, uint64_t length, uint32_t crc)
 {
+    memset(out, 0, TE_RESP_HDR_LEN);
     te_put_u32(out, TE_FRAME_MAGIC);
     te_put_u32(out + 4, status);
     te_put_u64(out + 8, length);
+    te_put_u32(out + 16, crc);
+}
+
+int te_decode_resp(const uint8_t in[TE_RESP_HDR_LEN], te_resp_hdr *h)
+{
+    h->status = te_get_u32(in + 4);
+    h->length = te_get_u64(in + 8);
+    h->crc = te_get_u32(in + 16);
+    return te_get_u32(in) == TE_FRAME_MAGIC ? 0 : -1;
 }
 
 void te_encode_info(uint8_t out[TE_INFO_LEN], const te_info *info)
@@ -110,6 +127,9 @@ void te_encode_info(uint8_t out[TE_INFO_LEN], const te_info *info)
     te_put_u64(out + 16, info->dev);
     te_put_u64(out + 24, info->ino);
     memcpy(out + 32, info->boot_id, TE_BOOT_ID_LEN);
+    te_put_u64(out + 32 + TE_BOOT_ID_LEN, info->rdma_addr);
+    te_put_u32(out + 40 + TE_BOOT_ID_LEN, info->rkey);
+    te_put_u32(out + 44 + TE_BOOT_ID_LEN, info->rdma_ok);
 }
 
 void te_decode_info(const uint8_t in[TE_INFO_LEN], te_info *info)
@@ -121,6 +141,29 @@ void te_decode_info(const uint8_t in[TE_INFO_LEN], te_info *info)
     info->ino = te_get_u64(in + 24);
     memcpy(info->boot_id, in + 32, TE_BOOT_ID_LEN);
     info->boot_id[TE_BOOT_ID_LEN - 1] = 0;
+    info->rdma_addr = te_get_u64(in + 32 + TE_BOOT_ID_LEN);
+    info->rkey = te_get_u32(in + 40 + TE_BOOT_ID_LEN);
+    info->rdma_ok = te_get_u32(in + 44 + TE_BOOT_ID_LEN);
+}
+
+void te_encode_qp(uint8_t out[TE_QP_INFO_LEN], const te_qp_info *q)
+{
+    memset(out, 0, TE_QP_INFO_LEN);
+    te_put_u32(out, q->qpn);
+    te_put_u32(out + 4, q->psn);
+    out[8] = (uint8_t)(q->lid & 0xff);
+    out[9] = (uint8_t)(q->lid >> 8);
+    out[10] = q->mtu;
+    memcpy(out + 12, q->gid, 16);
+}
+
+void te_decode_qp(const uint8_t in[TE_QP_INFO_LEN], te_qp_info *q)
+{
+    q->qpn = te_get_u32(in);
+    q->psn = te_get_u32(in + 4);
+    q->lid = (uint16_t)(in[8] | (in[9] << 8));
+    q->mtu = in[10];
+    memcpy(q->gid, in + 12, 16);
 }
 
 int te_wait_fd(int fd, short events, double deadline, int stop_fd, te_err *e)
@@ -156,6 +199,7 @@ int te_wait_fd(int fd, short events, double deadline, int stop_fd, te_err *e)
 int te_recv_all(int fd, void *buf, size_t len, double deadline, int stop_fd, te_err *e)
 {
     uint8_t *p = buf;
+    size_t total = len;
     while (len > 0) {
         ssize_t n = recv(fd, p, len, MSG_DONTWAIT);
         if (n > 0) {
@@ -164,7 +208,11 @@ int te_recv_all(int fd, void *buf, size_t len, double deadline, int stop_fd, te_
             continue;
         }
         if (n == 0) {
-            te_err_set(e, "connection closed by peer");
+            if (len == total)
+                te_err_set(e, "connection closed by peer");
+            else /* the peer died or lied about the length: never treat it as complete */
+                te_err_set(e, "connection closed by peer: stream truncated after %zu of %zu "
+                              "bytes", total - len, total);
             return TE_IO_CLOSED;
         }
         if (errno == EINTR)

@@ -70,10 +70,54 @@ static PyObject *mod_crc32c_software(PyObject *m, PyObject *args)
     return PyLong_FromUnsignedLong(c);
 }
 
+static PyObject *mod_rdma_probe(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    char names[4096];
+    te_err err = {{0}};
+    int n;
+    Py_BEGIN_ALLOW_THREADS
+    n = te_rdma_probe(names, sizeof names, &err);
+    Py_END_ALLOW_THREADS
+    PyObject *list = PyList_New(0);
+    if (!list)
+        return NULL;
+    const char *p = names;
+    for (int i = 0; i < n; i++, p += strlen(p) + 1) {
+        PyObject *s = PyUnicode_DecodeUTF8(p, (Py_ssize_t)strlen(p), "replace");
+        if (!s || PyList_Append(list, s) < 0) {
+            Py_XDECREF(s);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(s);
+    }
+    return Py_BuildValue("(NN)", list, te_py_msg_str(n > 0 ? "" : err.msg));
+}
+
+static PyObject *mod_pick_transport(PyObject *m, PyObject *args)
+{
+    (void)m;
+    int mode, shm_ok, rdma_local, rdma_peer;
+    if (!PyArg_ParseTuple(args, "ippp", &mode, &shm_ok, &rdma_local, &rdma_peer))
+        return NULL;
+    te_err err = {{0}};
+    int t = te_pick_transport(mode, shm_ok, rdma_local, rdma_peer, &err);
+    if (t < 0) {
+        te_py_set_error(PyExc_ValueError, err.msg);
+        return NULL;
+    }
+    return PyLong_FromLong(t);
+}
+
 static PyMethodDef module_methods[] = {
     {"crc32c", mod_crc32c, METH_VARARGS, "CRC32C of a buffer (hardware when available)."},
     {"crc32c_addr", mod_crc32c_addr, METH_VARARGS, "CRC32C of raw memory (address, length)."},
     {"crc32c_software", mod_crc32c_software, METH_VARARGS, "Table CRC32C (for tests)."},
+    {"rdma_probe", mod_rdma_probe, METH_NOARGS, "([device names], reason when none)."},
+    {"pick_transport", mod_pick_transport, METH_VARARGS,
+     "The transport open_segment picks: (mode, shm_ok, rdma_local, rdma_peer) -> TRANSPORT_*."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -93,6 +137,9 @@ static int module_exec(PyObject *m)
         return -1;
     PyModule_AddIntConstant(m, "TRANSPORT_SHM", TE_TRANSPORT_SHM);
     PyModule_AddIntConstant(m, "TRANSPORT_TCP", TE_TRANSPORT_TCP);
+    PyModule_AddIntConstant(m, "TRANSPORT_RDMA", TE_TRANSPORT_RDMA);
+    PyModule_AddIntConstant(m, "MODE_RDMA", TE_MODE_RDMA);
+    PyModule_AddIntConstant(m, "RDMA_BUILT", te_rdma_built());
     PyModule_AddIntConstant(m, "MODE_AUTO", TE_MODE_AUTO);
     PyModule_AddIntConstant(m, "MODE_SHM", TE_MODE_SHM);
     PyModule_AddIntConstant(m, "MODE_TCP", TE_MODE_TCP);

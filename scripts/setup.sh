@@ -20,6 +20,9 @@ command -v gcc >/dev/null || need_apt+=(gcc)
 if [ "$WITH_TEST" = 1 ]; then
   command -v docker-compose >/dev/null || need_apt+=(docker-compose)
   command -v ip >/dev/null || need_apt+=(iproute2)
+  # RDMA transport headers: the engine compiles its libibverbs path where they exist (and the
+  # tests check both builds); brings libibverbs1, which Mooncake's wheel needs for the benchmark
+  [ -f /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then

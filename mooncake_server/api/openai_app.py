@@ -29,6 +29,7 @@ from mooncake_server.api.errors import (
     to_api_error,
 )
 from mooncake_server.api.generation import Generation
+from mooncake_server.api.limits import RequestLimits
 from mooncake_server.api.metrics import ApiMetrics
 from mooncake_server.api.prompts import encode_prompt, render_chat
 from mooncake_server.api.protocol import (
@@ -38,6 +39,8 @@ from mooncake_server.api.protocol import (
     ModelList,
 )
 from mooncake_server.api.responses import full_response, sse_chunk, sse_usage_chunk
+from mooncake_server.api.schema import completion_openapi
+from mooncake_server.api.security import ApiGuard
 from mooncake_server.backend import Backend, BackendError, GenerateRequest
 from mooncake_server.messages import SamplingParams
 
@@ -104,6 +107,8 @@ class OpenAIService:
         max_model_len: int,
         metrics: ApiMetrics,
         eos_token_ids: Sequence[int],
+        limits: RequestLimits | None = None,
+        log_prompts: bool = False,
     ) -> None:
         self.backend = backend
         self.tokenizer = tokenizer
@@ -111,6 +116,8 @@ class OpenAIService:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.eos_token_ids = list(eos_token_ids)
+        self.limits = limits or RequestLimits()
+        self.log_prompts = log_prompts
 
     def models(self) -> ModelList:
         """GET /v1/models."""
@@ -165,12 +172,14 @@ class OpenAIService:
                 f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
                 404, param="model", code="model_not_found", err_type="invalid_request_error",
             )
+        self.limits.check_request(body)
         if isinstance(body, ChatCompletionRequest):
             prompt_ids = await asyncio.to_thread(render_chat, self.tokenizer, body.messages)
             what = "messages"
         else:
             prompt_ids = await asyncio.to_thread(encode_prompt, self.tokenizer, body.prompt)
             what = "prompt"
+        self.limits.check_prompt(len(prompt_ids), what)
         max_tokens = self._max_tokens(len(prompt_ids), body.requested_max_tokens(), what)
         sampling = SamplingParams(
             max_tokens=max_tokens,
@@ -181,6 +190,9 @@ class OpenAIService:
             eos_token_ids=self.eos_token_ids,
         )
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        if self.log_prompts:  # NOTE: opt-in only (--log-prompts): prompts are user data
+            log.info("request %s prompt (%d tokens): %r", request_id, len(prompt_ids),
+                     self.tokenizer.decode(prompt_ids))
         events = self.backend.generate(GenerateRequest(request_id, prompt_ids, sampling))
         gen = Generation(
             request_id=request_id,
@@ -214,7 +226,8 @@ class OpenAIService:
                     f"completion. Please reduce the length of the {what}.",
                     param=what, code="context_length_exceeded",
                 )
-            return limit - prompt_tokens  # as vLLM: fill the context
+            # as vLLM: fill the context (up to --max-tokens-limit)
+            return self.limits.default_max_tokens(limit - prompt_tokens)
         if prompt_tokens + requested > limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, you "
@@ -274,25 +287,36 @@ def create_api_router(
     *,
     eos_token_ids: Sequence[int] | None = None,
     metrics: ApiMetrics | None = None,
+    limits: RequestLimits | None = None,
+    log_prompts: bool = False,
 ) -> APIRouter:
     """Routes of the OpenAI API; pair with `install_error_handlers(app)` (or use install_api).
 
     `eos_token_ids` default to the tokenizer's EOS; pass `load_eos_token_ids(...)` to include
     the generation config's. `metrics` (made from `registry` when None) lets routers built
-    again for the same registry share one set of metrics.
+    again for the same registry share one set of metrics. `limits` default to RequestLimits();
+    the body-size limit and the API key live in `install_api_guard`.
     """
     if eos_token_ids is None:
         eos = tokenizer.eos_token_id
         eos_token_ids = [] if eos is None else [int(eos)]
     service = OpenAIService(
         backend, tokenizer, model_name, max_model_len, metrics or ApiMetrics(registry),
-        eos_token_ids,
+        eos_token_ids, limits, log_prompts,
     )
     router = APIRouter()
     router.add_api_route("/v1/models", service.models, methods=["GET"], response_model=ModelList)
-    router.add_api_route("/v1/chat/completions", service.chat, methods=["POST"])
-    router.add_api_route("/v1/completions", service.completions, methods=["POST"])
+    router.add_api_route("/v1/chat/completions", service.chat, methods=["POST"],
+                         openapi_extra=completion_openapi(ChatCompletionRequest))
+    router.add_api_route("/v1/completions", service.completions, methods=["POST"],
+                         openapi_extra=completion_openapi(CompletionRequest))
     return router
+
+
+def install_api_guard(app: FastAPI, *, api_key: str = "", secret: str = "",
+                      max_body_bytes: int = RequestLimits.max_body_bytes) -> None:
+    """Put the API key check and the body-size limit in front of `app` (before it starts)."""
+    app.add_middleware(ApiGuard, api_key=api_key, secret=secret, max_body_bytes=max_body_bytes)
 
 
 def install_api(
@@ -304,11 +328,18 @@ def install_api(
     registry: CollectorRegistry,
     *,
     eos_token_ids: Sequence[int] | None = None,
+    limits: RequestLimits | None = None,
+    api_key: str = "",
+    secret: str = "",
+    log_prompts: bool = False,
 ) -> None:
-    """Add the OpenAI routes and error handlers to `app` (before it starts)."""
+    """Add the OpenAI routes, error handlers and API guard to `app` (before it starts)."""
+    limits = limits or RequestLimits()
     install_error_handlers(app)
+    install_api_guard(app, api_key=api_key, secret=secret, max_body_bytes=limits.max_body_bytes)
     app.include_router(
         create_api_router(
-            backend, tokenizer, model_name, max_model_len, registry, eos_token_ids=eos_token_ids
+            backend, tokenizer, model_name, max_model_len, registry, eos_token_ids=eos_token_ids,
+            limits=limits, log_prompts=log_prompts,
         )
     )

@@ -18,8 +18,6 @@ from pydantic import (
     model_serializer,
 )
 
-MAX_STOP_SEQUENCES = 4
-
 
 class _Request(BaseModel):
     """Base of request bodies: unknown extra fields are accepted and ignored."""
@@ -63,7 +61,7 @@ class _SamplingFields(_Request):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # torch's seed range
     stop: str | list[str] | None = None
     n: int | None = 1
     stream: bool = False
@@ -81,9 +79,8 @@ class _SamplingFields(_Request):
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        # NOTE: how many and how long is a server limit (api/limits.py), checked after parsing.
         stops = [value] if isinstance(value, str) else (value or [])
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty strings")
         return value

@@ -173,7 +173,12 @@ class EngineLoop:
                 continue
             if seq.num_pending > 0:
                 continue  # more prompt chunks to go
-            token = sample_token(logits[row], seq.sampling, seq.generator)  # type: ignore[index]
+            try:
+                token = sample_token(logits[row], seq.sampling, seq.generator)  # type: ignore[index]
+            except (RuntimeError, ValueError) as exc:  # one bad sequence must not stop the loop
+                log.exception("sampling failed for %s", seq.request_id)
+                self._finish(seq, error=f"sampling failed: {exc}")
+                continue
             seq.token_ids.append(token)
             self.metrics.tokens.inc()
             reason = seq.finish_reason_after(token)

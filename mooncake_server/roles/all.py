@@ -52,9 +52,45 @@ def child_argv(config: ServerConfig, role: str, model: str) -> list[str]:
                  "--prefill-chunk", str(config.prefill_chunk_tokens)]
         if config.torch_threads:
             argv += ["--torch-threads", str(config.torch_threads)]
+    if role == "conductor":
+        argv += ["--replicas", str(config.store_replicas)] + _api_limit_argv(config)
     if role == "store":
-        argv += ["--memory", str(config.store_memory_bytes)]
+        argv += ["--memory", str(config.store_memory_bytes),
+                 "--high-watermark", str(config.store_high_watermark),
+                 "--ssd-capacity", str(config.store_ssd_capacity_bytes),
+                 "--demote-after", str(config.store_demote_after_s)]
+        if config.store_ssd_dir:
+            argv += ["--ssd-dir", config.store_ssd_dir]
     return argv
+
+
+def _api_limit_argv(config: ServerConfig) -> list[str]:
+    """The conductor's request limits (the API key goes through the environment)."""
+    argv = ["--max-request-size", str(config.max_request_bytes),
+            "--max-messages", str(config.max_messages),
+            "--max-stop", str(config.max_stop_sequences),
+            "--max-stop-chars", str(config.max_stop_chars)]
+    if config.max_prompt_tokens is not None:
+        argv += ["--max-prompt-tokens", str(config.max_prompt_tokens)]
+    if config.max_tokens_limit is not None:
+        argv += ["--max-tokens-limit", str(config.max_tokens_limit)]
+    if config.log_prompts:
+        argv += ["--log-prompts"]
+    return argv
+
+
+def child_env(config: ServerConfig, role: str, secret: str,
+              base: dict[str, str]) -> dict[str, str]:
+    """Environment of one child: the secrets travel here, never on a command line.
+
+    Only the conductor gets the API key; a secret file of the parent is replaced by its content.
+    """
+    env = {k: v for k, v in base.items()
+           if k not in ("MOONCAKE_CLUSTER_SECRET_FILE", "MOONCAKE_API_KEY")}
+    env["MOONCAKE_CLUSTER_SECRET"] = secret
+    if role == "conductor" and config.api_key:
+        env["MOONCAKE_API_KEY"] = config.api_key
+    return env
 
 
 def _die_with_parent() -> None:
@@ -72,12 +108,13 @@ class Child:
 
     role: str
     argv: list[str]
+    env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
     restarts: list[float] = field(default_factory=list)
 
-    def start(self, env: dict[str, str]) -> None:
+    def start(self) -> None:
         """Spawn (or respawn) the process."""
-        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True,
+        self.proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True,
                                      preexec_fn=_die_with_parent)
         log.info("started %s (pid %d)", self.role, self.proc.pid)
 
@@ -85,9 +122,8 @@ class Child:
 class Supervisor:
     """Starts the children, restarts crashed ones, stops them all on a signal."""
 
-    def __init__(self, children: list[Child], env: dict[str, str], health_url: str) -> None:
+    def __init__(self, children: list[Child], health_url: str) -> None:
         self.children = children
-        self.env = env
         self.health_url = health_url
         self._stopping = False
 
@@ -100,7 +136,7 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         for child in self.children:
-            child.start(self.env)
+            child.start()
         ready = False
         code = 0
         while not self._stopping:
@@ -122,7 +158,7 @@ class Supervisor:
                 log.warning("%s exited with %d; restarting", child.role, rc)
                 child.restarts.append(now)
                 time.sleep(min(2 ** len(child.restarts) * 0.1, 5.0))
-                child.start(self.env)
+                child.start()
         self._stop_all()
         return code
 
@@ -153,8 +189,8 @@ def run_all(config: ServerConfig) -> None:
     # Convert the bundled model once here, so the children do not race to do it.
     model = resolve_model(config.model)
     secret = config.cluster_secret or ServerConfig.new_secret()
-    env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": secret}
-    children = [Child(role, child_argv(config, role, model))
+    children = [Child(role, child_argv(config, role, model),
+                      child_env(config, role, secret, dict(os.environ)))
                 for role in ("conductor", "store", "prefill", "decode")]
     health = f"http://{config.public_host}:{config.port}/health"
-    sys.exit(Supervisor(children, env, health).run())
+    sys.exit(Supervisor(children, health).run())

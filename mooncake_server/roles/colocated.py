@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
+from mooncake_server.api.limits import RequestLimits
 from mooncake_server.api.openai_app import install_api
 from mooncake_server.api.prompts import load_eos_token_ids
 from mooncake_server.config import ServerConfig
@@ -57,7 +58,9 @@ def build_app(config: ServerConfig) -> FastAPI:
     app = FastAPI(title="mooncake-server colocated", lifespan=lifespan)
     install_api(app, backend, tokenizer, served_name(config.model, config.served_model_name),
                 info.max_model_len, registry,
-                eos_token_ids=load_eos_token_ids(model_path, tokenizer))
+                eos_token_ids=load_eos_token_ids(model_path, tokenizer),
+                limits=RequestLimits.from_config(config), api_key=config.api_key,
+                secret=config.cluster_secret, log_prompts=config.log_prompts)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

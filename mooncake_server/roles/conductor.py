@@ -1,8 +1,11 @@
 """`--role conductor`: the OpenAI API, the instance registry and the disaggregated request path.
 
-A request walks: OpenAI API (validate, chat template, length check) -> DisaggregatedBackend
-(place on store / prefill / decode, block keys, prefill job, decode job) -> tokens streamed back.
+A request walks: OpenAI API (validate, chat template, length check) -> ScheduledBackend
+(Algorithm 1: prefix hits, TTFT / TBT estimates, placement or an immediate 429) ->
+DisaggregatedBackend (block keys, prefill job, decode job) -> tokens streamed back.
 Instances join through POST /internal/register and stay picked while their heartbeats arrive.
+Store nodes also report what they hold to the global store index (/internal/store/*), which
+engine roles ask where blocks live and where new ones go.
 The conductor loads only the tokenizer and model config, never the weights.
 """
 
@@ -23,13 +26,17 @@ from prometheus_client.registry import Collector
 
 from mooncake_server.api.errors import install_error_handlers
 from mooncake_server.api.metrics import ApiMetrics
-from mooncake_server.api.openai_app import create_api_router
+from mooncake_server.api.limits import RequestLimits
+from mooncake_server.api.openai_app import create_api_router, install_api_guard
 from mooncake_server.api.prompts import load_eos_token_ids
 from mooncake_server.config import ServerConfig
 from mooncake_server.disagg_backend import DisaggregatedBackend
 from mooncake_server.internal_http import metrics_response
 from mooncake_server.model_assets import resolve_model, served_name
 from mooncake_server.registry import INSTANCE_ROLES, InstanceRegistry, registry_router
+from mooncake_server.scheduler import ScheduledBackend, build_scheduler, load_perf_model
+from mooncake_server.scheduler.metrics import SchedulerCollector
+from mooncake_server.store.master import MasterCollector, StoreMaster, master_router
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +83,14 @@ def build_app(config: ServerConfig) -> FastAPI:
     prom = CollectorRegistry()
     registry = InstanceRegistry(config.heartbeat_timeout_s)
     prom.register(_InstancesCollector(registry))
+    store_master = StoreMaster(registry, config.store_replicas, config.cluster_secret)
+    prom.register(MasterCollector(store_master))
+    # Algorithm 1 (--policy, --ttft-slo, --tbt-slo); a bad --profile fails here, at start-up.
+    scheduler = build_scheduler(config, registry, store_master)
+    prom.register(SchedulerCollector(scheduler))
     api_metrics = ApiMetrics(prom)
     model_name = served_name(config.model, config.served_model_name)
+    limits = RequestLimits.from_config(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,14 +103,17 @@ def build_app(config: ServerConfig) -> FastAPI:
             timeout=httpx.Timeout(None, connect=5.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128),
         ) as http:
-            backend = DisaggregatedBackend(config, registry, http)
+            if not config.profile_path:  # size the built-in model's KV bytes to this model
+                scheduler.model = load_perf_model(config, hf_config)
+            backend = ScheduledBackend(DisaggregatedBackend(
+                config, registry, http, picker=scheduler, store_master=store_master), scheduler)
             app.state.backend = backend
             # Routes need the tokenizer, so they join once it is loaded (before serving) and
             # leave with this lifespan (a restarted app gets fresh ones).
             before = list(app.router.routes)
             app.include_router(create_api_router(
                 backend, tokenizer, model_name, max_model_len, prom, eos_token_ids=eos_ids,
-                metrics=api_metrics))
+                metrics=api_metrics, limits=limits, log_prompts=config.log_prompts))
             api_routes = [r for r in app.router.routes if r not in before]
             log.info("conductor serving %s (max_model_len %d) on %s", model_name,
                      max_model_len, config.base_url)
@@ -109,8 +125,12 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="mooncake-server conductor", lifespan=lifespan)
     install_error_handlers(app)
+    install_api_guard(app, api_key=config.api_key, secret=config.cluster_secret,
+                      max_body_bytes=limits.max_body_bytes)
     app.state.registry = registry
     app.include_router(registry_router(registry, config.cluster_secret))
+    app.state.store_master = store_master
+    app.include_router(master_router(store_master, config.cluster_secret))
 
     @app.get("/health")
     async def health() -> Response:

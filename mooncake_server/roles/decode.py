@@ -2,7 +2,8 @@
 
 A request walks, in order:
   blocks reserved in the local paged cache -> prompt KV read from the store (full blocks by chained
-  key, then the partial tail block) and checksums verified -> waiting -> running in the engine loop
+  key, then the partial tail block, from any live replica) and checksums verified; blocks the
+  store no longer holds are left to recompute -> waiting -> running in the engine loop
   (one token per step, sharing forward passes with every other running request) -> finished; each
   token is streamed back to the conductor as one NDJSON line. A closed stream cancels the request and
   frees its blocks.
@@ -45,13 +46,14 @@ class DecodeService:
     """Admits decode jobs: loads their KV, hands them to the engine loop, streams their tokens."""
 
     def __init__(self, loop: EngineLoop, link: KVStoreLink, max_model_len: int,
-                 failures: Counter, verified: Counter) -> None:
+                 failures: Counter, verified: Counter, recomputed: Counter) -> None:
         self.loop = loop
         self.kv = loop.kv
         self.link = link
         self.max_model_len = max_model_len
         self.failures = failures
         self.verified = verified
+        self.recomputed = recomputed
 
     async def admit(self, job: DecodeJob) -> Sequence:
         """Load the job's KV and queue it; raises KVLoadError or OutOfBlocks."""
@@ -62,11 +64,13 @@ class DecodeService:
         seq.block_ids = self.kv.allocate(self.kv.layout.blocks_for(n))
         try:
             keys = job.block_keys[:n // bt] + ([job.tail_key] if job.tail_key else [])
-            got = await self.link.load(job.store, keys, seq.block_ids)
-            if got < len(keys):
-                raise KVLoadError(f"store returned {got} of {len(keys)} KV blocks")
-            if job.block_checksums:
-                sums = await self.link.checksums(seq.block_ids)
+            try:
+                got = await self.link.load(keys, seq.block_ids)
+            except StoreError as exc:
+                log.warning("loading KV of %s failed, recomputing it: %s", job.request_id, exc)
+                got = 0
+            if got and job.block_checksums:
+                sums = await self.link.checksums(seq.block_ids[:got])
                 bad = [i for i, (a, b) in enumerate(zip(sums, job.block_checksums)) if a != b]
                 if bad:
                     raise KVLoadError(f"KV block checksum mismatch at block(s) {bad[:4]}")
@@ -78,13 +82,17 @@ class DecodeService:
         if job.tail_key:
             # The tail block is private to this request: drop it from the store once we hold it.
             asyncio.create_task(self._drop_tail(job))
-        seq.num_computed = n
+        # NOTE: blocks the store lost (a dead node without replicas, a refused put) are
+        # recomputed by the engine loop as prompt chunks before the next token: never a failure.
+        seq.num_computed = min(got * bt, n)
+        if got < len(keys):
+            self.recomputed.inc(n - seq.num_computed)
         self.loop.submit(seq)
         return seq
 
     async def _drop_tail(self, job: DecodeJob) -> None:
         try:
-            await self.link.client(job.store).remove([job.tail_key or ""])
+            await self.link.remove([job.tail_key or ""])
         except Exception as exc:  # the store's LRU reclaims it anyway
             log.warning("could not remove tail block %s: %s", job.tail_key, exc)
 
@@ -114,6 +122,9 @@ def build_app(config: ServerConfig) -> FastAPI:
     verified = Counter("mooncake_decode_kv_blocks_verified",
                        "KV blocks read from the store whose CRC32C matched prefill's",
                        registry=registry)
+    recomputed = Counter("mooncake_decode_recomputed_tokens",
+                         "Prompt tokens whose KV the store no longer held, recomputed here",
+                         registry=registry)
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -126,9 +137,10 @@ def build_app(config: ServerConfig) -> FastAPI:
         loop = EngineLoop(runner, executor, engine_metrics, config.max_batch_size,
                           config.prefill_chunk_tokens)
         loop.start()
-        state["service"] = DecodeService(loop, KVStoreLink(runner.kv, engine, http,
-                                                           config.cluster_secret),
-                                         info.max_model_len, failures, verified)
+        link = KVStoreLink(runner.kv, engine, http, config.cluster_secret,
+                           config.conductor_url or "")
+        state["service"] = DecodeService(loop, link, info.max_model_len, failures, verified,
+                                         recomputed)
         registrar = Registrar(
             config.conductor_url or "", InstanceInfo(
                 instance_id=instance_id(config), role="decode", url=config.base_url,

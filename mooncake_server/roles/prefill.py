@@ -1,9 +1,11 @@
 """Prefill role: turns a prompt into KV blocks in the store and the first output token.
 
 A job walks, in order:
-  queued (one forward pass at a time) -> prefix lookup in the store -> prefix blocks loaded into the
-  local paged cache -> uncached tokens computed in chunks of --prefill-chunk -> first token sampled
-  -> new full blocks and the partial tail block written to the store -> local blocks freed -> result.
+  queued (one forward pass at a time) -> prefix lookup in the global store index -> prefix blocks
+  loaded into the local paged cache from whichever replicas hold them -> uncached tokens computed in
+  chunks of --prefill-chunk -> first token sampled -> new full blocks and the partial tail block
+  written to their store nodes (blocks the store cannot take are left for decode to recompute)
+  -> local blocks freed -> result.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class PrefillMetrics:
                                      "Prompt tokens loaded from the store", registry=registry)
         self.seconds = Histogram("mooncake_prefill_seconds", "Prefill job wall time",
                                  registry=registry)
+        self.store_errors = Counter("mooncake_prefill_store_errors",
+                                    "KV loads / saves the store could not serve (recomputed)",
+                                    ["op"], registry=registry)
 
 
 class PrefillWorker:
@@ -82,8 +87,7 @@ class PrefillWorker:
         try:
             # At least one prompt token must be computed to get logits for the first token.
             reusable = job.block_keys[:(n - 1) // bt]
-            hits = await self.link.client(job.store).prefix_hits(reusable) if reusable else 0
-            loaded = await self.link.load(job.store, reusable[:hits], seq.block_ids)
+            loaded = await self._load_prefix(reusable, seq.block_ids)
             seq.num_computed = loaded * bt
             logits = None
             loop = asyncio.get_running_loop()
@@ -100,10 +104,7 @@ class PrefillWorker:
             tail_key = f"tail/{job.request_id}" if n % bt else None
             checksums = await self.link.checksums(seq.block_ids)
             keys = job.block_keys[loaded:full] + ([tail_key] if tail_key else [])
-            stored = await self.link.save(job.store, keys, seq.block_ids[loaded:],
-                                          checksums[loaded:])
-            if not all(stored):
-                raise HTTPException(503, "store has no room for this request's KV blocks")
+            await self._save(keys, seq.block_ids[loaded:], checksums[loaded:])
         finally:
             self.kv.free(seq.block_ids)
         elapsed = time.perf_counter() - started
@@ -111,6 +112,31 @@ class PrefillWorker:
         return PrefillResult(request_id=job.request_id, first_token=first,
                              cached_tokens=loaded * bt, tail_key=tail_key,
                              block_checksums=checksums, prefill_seconds=elapsed)
+
+
+    async def _load_prefix(self, keys: list[str], block_ids: list[int]) -> int:
+        """Cached prefix blocks read into `block_ids`; 0 (compute everything) if the store fails."""
+        if not keys:
+            return 0
+        try:
+            return await self.link.load(keys, block_ids, fallback=False)
+        except StoreError as exc:
+            log.warning("prefix lookup failed, computing the whole prompt: %s", exc)
+            self.metrics.store_errors.labels("load").inc()
+            return 0
+
+    async def _save(self, keys: list[str], block_ids: list[int], checksums: list[int]) -> None:
+        """Write new blocks; blocks the store cannot take are recomputed by the decode side."""
+        try:
+            stored = await self.link.save(keys, block_ids, checksums)
+        except StoreError as exc:
+            log.warning("storing %d KV blocks failed: %s", len(keys), exc)
+            self.metrics.store_errors.labels("save").inc()
+            return
+        if not all(stored):
+            log.warning("the store refused %d of %d KV blocks (full); decode recomputes them",
+                        stored.count(False), len(keys))
+            self.metrics.store_errors.labels("refused").inc()
 
 
 def build_app(config: ServerConfig) -> FastAPI:
@@ -126,7 +152,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         runner, info = await asyncio.to_thread(
             build_runner, config, lambda nbytes: engine.alloc_shared("prefill-kv", nbytes))
         http = internal_client(config)
-        link = KVStoreLink(runner.kv, engine, http, config.cluster_secret)
+        link = KVStoreLink(runner.kv, engine, http, config.cluster_secret,
+                           config.conductor_url or "")
         worker = PrefillWorker(runner, link, executor, config, info.max_model_len, metrics)
         state["worker"] = worker
         registrar = Registrar(

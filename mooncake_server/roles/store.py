@@ -1,26 +1,30 @@
-"""The store role: one DRAM pool per node, served over the transfer engine, steered over HTTP.
+"""The store role: one node's DRAM pool (+ SSD tier), served over the transfer engine, steered
+over HTTP, reported to the conductor's global index.
 
-Start-up (lifespan): transfer engine -> shared-memory pool registered as a segment -> object table
--> registration with the conductor (then heartbeats) -> lease / write-timeout reaper.
+Start-up (lifespan): transfer engine -> shared-memory pool registered as a segment -> SSD tier
+(files a previous run left are loaded) -> StoreNode -> registration with the conductor (then
+heartbeats) -> index reporter (snapshot, then deltas) -> reaper and idle-demotion loops.
 A block walks: put_start (WRITING, space reserved) -> the writer's one-sided WRITEs -> put_end
-(READY) -> get (leased, pinned) -> the reader's one-sided READs -> release -> LRU eviction or remove.
-Every endpoint here only moves metadata; bytes never pass through this process's Python code.
+(READY, reported) -> get (leased, pinned; rehydrated first if only on SSD) -> the reader's
+one-sided READs -> release -> idle or LRU-evicted to SSD, or removed.
+Endpoints only move metadata, except /store/replicate, where this node pulls a hot block from
+another node through the transfer engine; bytes never pass through Python code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from fastapi import Depends, FastAPI, HTTPException, Response
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.internal_http import metrics_response, require_secret
@@ -38,11 +42,18 @@ from mooncake_server.messages import (
     StoreRelease,
     StoreReleaseReply,
     StoreRemoveReply,
+    StoreReplicate,
+    StoreReplicateReply,
 )
 from mooncake_server.registry import Registrar
 from mooncake_server.roles import common
+from mooncake_server.store.client import StoreClient, StoreError
+from mooncake_server.store.metrics import NodeCollector
+from mooncake_server.store.node import StoreNode
 from mooncake_server.store.objects import ObjectTable
-from mooncake_server.transfer import TransferEngine
+from mooncake_server.store.reporter import IndexReporter
+from mooncake_server.store.ssd import SsdTier
+from mooncake_server.transfer import TransferEngine, crc32c
 
 logger = logging.getLogger(__name__)
 
@@ -59,40 +70,16 @@ class StoreRuntime:
 
     engine: TransferEngine
     pool: memoryview
-    table: ObjectTable
+    node: StoreNode
     location: StoreLocation
+    http: httpx.AsyncClient
+    secret: str
+    reporter: IndexReporter | None = None
 
-
-class _TableCollector(Collector):
-    """Reads the object table's counters at scrape time, so there is one source of truth."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self._app = app
-
-    def collect(self) -> Iterator[Metric]:
-        runtime: StoreRuntime | None = getattr(self._app.state, "store", None)
-        if runtime is None:
-            return
-        s = runtime.table.stats()
-        gauges = [
-            ("mooncake_store_objects", "READY objects in the pool", s.objects),
-            ("mooncake_store_writing_objects", "objects reserved and being written", s.writing),
-            ("mooncake_store_bytes_used", "bytes of the pool in use (aligned)", s.bytes_used),
-            ("mooncake_store_bytes_capacity", "bytes of the pool", s.capacity),
-            ("mooncake_store_largest_free_bytes", "largest free extent", s.largest_free),
-            ("mooncake_store_active_leases", "gets whose blocks are still pinned", s.active_leases),
-        ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = [
-            ("mooncake_store_hits", "keys found by get", s.hits),
-            ("mooncake_store_misses", "keys asked for by get and not found", s.misses),
-            ("mooncake_store_evictions", "objects evicted by LRU", s.evictions),
-            ("mooncake_store_puts_refused", "keys refused by put_start for lack of space",
-             s.puts_refused),
-        ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
+    @property
+    def table(self) -> ObjectTable:
+        """The DRAM object table."""
+        return self.node.table
 
 
 def build_app(config: ServerConfig) -> FastAPI:
@@ -103,16 +90,31 @@ def build_app(config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = common.make_transfer_engine(config, serve=True)
         async with contextlib.AsyncExitStack() as stack:
-            stack.callback(_close_engine, engine)
+            stack.callback(engine.close)
             pool = engine.alloc_shared(SEGMENT_NAME, config.store_memory_bytes)
-            table = ObjectTable(len(pool))
+            pool_addr = ctypes.addressof(ctypes.c_char.from_buffer(pool))
+            ssd = None
+            if config.store_ssd_dir:
+                ssd = SsdTier(config.store_ssd_dir, config.store_ssd_capacity_bytes)
+                await ssd.open()
+                stack.push_async_callback(ssd.close)  # pending writes finish before exit
+            reporter: IndexReporter | None = None
+            node = StoreNode(pool, pool_addr, ssd=ssd, demote_after_s=config.store_demote_after_s,
+                             high_watermark=config.store_high_watermark,
+                             report=lambda entry: reporter.changed(entry) if reporter else None)
+            http = common.internal_client(config)
+            stack.push_async_callback(http.aclose)
             # Peers dial the advertised host, not the (possibly wildcard) listen address.
             address = f"{config.public_host}:{engine.address.rsplit(':', 1)[1]}"
             location = StoreLocation(instance_id=instance_id, url=config.base_url,
                                      transfer_address=address, segment=SEGMENT_NAME)
-            app.state.store = StoreRuntime(engine, pool, table, location)
-            reaper = asyncio.create_task(_reap_forever(table), name="store-reaper")
-            stack.push_async_callback(_cancel, reaper)
+            runtime = StoreRuntime(engine, pool, node, location, http, config.cluster_secret)
+            app.state.store = runtime
+            stack.push_async_callback(_cancel, asyncio.create_task(
+                _reap_forever(node), name="store-reaper"))
+            if ssd is not None:
+                stack.push_async_callback(_cancel, asyncio.create_task(
+                    _demote_forever(node), name="store-demoter"))
             if config.conductor_url:
                 info = InstanceInfo(instance_id=instance_id, role="store", url=config.base_url,
                                     transfer_address=address, segment=SEGMENT_NAME)
@@ -120,24 +122,33 @@ def build_app(config: ServerConfig) -> FastAPI:
                                       config.heartbeat_interval_s)
                 await registrar.start()
                 stack.push_async_callback(registrar.stop)
+                reporter = IndexReporter(config.conductor_url, instance_id,
+                                         config.cluster_secret, node.snapshot)
+                runtime.reporter = reporter
+                await reporter.start()
+                stack.push_async_callback(reporter.stop)
             else:
                 logger.warning("no conductor URL: store %s runs unregistered", instance_id)
-            logger.info("store %s up: %d bytes at segment %s via %s", instance_id, len(pool),
-                        SEGMENT_NAME, address)
+            logger.info("store %s up: %d bytes at segment %s via %s%s", instance_id, len(pool),
+                        SEGMENT_NAME, address,
+                        f", SSD tier {config.store_ssd_dir}" if ssd is not None else "")
             yield
             logger.info("store %s shutting down", instance_id)
             app.state.store = None
 
     app = FastAPI(title="mooncake-server store", lifespan=lifespan)
     metrics = CollectorRegistry()
-    metrics.register(_TableCollector(app))
+    metrics.register(NodeCollector(lambda: _node_or_none(app)))
     guard = [Depends(require_secret(config.cluster_secret))]
 
-    def table() -> ObjectTable:
-        runtime: StoreRuntime | None = getattr(app.state, "store", None)
-        if runtime is None:
+    def runtime() -> StoreRuntime:
+        rt: StoreRuntime | None = getattr(app.state, "store", None)
+        if rt is None:
             raise HTTPException(status_code=503, detail="store is starting")
-        return runtime.table
+        return rt
+
+    def node() -> StoreNode:
+        return runtime().node
 
     # NOTE: every route is `async def` so it runs on the event loop, which serialises all table
     # access; a plain `def` route would run in a thread pool and race.
@@ -145,52 +156,96 @@ def build_app(config: ServerConfig) -> FastAPI:
     @app.post("/store/put_start", dependencies=guard)
     async def put_start(body: StorePutStart) -> StorePutStartReply:
         with _bad_request():
-            res = table().put_start(body.keys, body.sizes)
+            res = node().put_start(body.keys, body.sizes)
         return StorePutStartReply(offsets=res.offsets, refused=res.refused)
 
     @app.post("/store/put_end", dependencies=guard)
     async def put_end(body: StorePutEnd) -> StorePutEndReply:
         with _bad_request():
-            return StorePutEndReply(committed=table().put_end(body.keys, body.checksums))
+            return StorePutEndReply(committed=node().put_end(body.keys, body.checksums))
 
     @app.post("/store/put_abort", dependencies=guard)
     async def put_abort(body: StoreKeys) -> StoreRemoveReply:
-        return StoreRemoveReply(removed=table().put_abort(body.keys))
+        return StoreRemoveReply(removed=node().put_abort(body.keys))
 
     @app.post("/store/get", dependencies=guard)
     async def get(body: StoreGet) -> StoreGetReply:
         with _bad_request():
-            res = table().get(body.keys, body.lease_s)
+            res = await node().get(body.keys, body.lease_s, sparse=body.sparse)
         objs = res.objects
+        present: list[bool] = []
+        if body.sparse:
+            found = {o.key for o in objs}
+            present = [k in found for k in body.keys]
         return StoreGetReply(lease_id=res.lease_id, found=len(objs),
                              offsets=[o.offset for o in objs], sizes=[o.size for o in objs],
-                             checksums=[o.checksum or 0 for o in objs])
+                             checksums=[o.checksum or 0 for o in objs], present=present)
 
     @app.post("/store/release", dependencies=guard)
     async def release(body: StoreRelease) -> StoreReleaseReply:
-        return StoreReleaseReply(released=table().release(body.lease_id))
+        return StoreReleaseReply(released=node().release(body.lease_id))
 
     @app.post("/store/exists", dependencies=guard)
     async def exists(body: StoreKeys) -> StoreExistsReply:
-        flags, prefix = table().exists(body.keys)
+        flags, prefix = node().exists(body.keys)
         return StoreExistsReply(exists=flags, prefix=prefix)
 
     @app.post("/store/remove", dependencies=guard)
     async def remove(body: StoreKeys) -> StoreRemoveReply:
-        return StoreRemoveReply(removed=table().remove(body.keys))
+        return StoreRemoveReply(removed=node().remove(body.keys))
+
+    @app.post("/store/replicate", dependencies=guard)
+    async def replicate(body: StoreReplicate) -> StoreReplicateReply:
+        if len(body.keys) != len(body.sizes) or any(s <= 0 for s in body.sizes):
+            raise HTTPException(status_code=400, detail="replicate: one positive size per key")
+        return StoreReplicateReply(copied=await _pull(runtime(), body))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        runtime: StoreRuntime | None = getattr(app.state, "store", None)
-        if runtime is None:
+        rt: StoreRuntime | None = getattr(app.state, "store", None)
+        if rt is None:
             raise HTTPException(status_code=503, detail="store is starting")
-        return {"status": "ok", "role": "store", **runtime.location.model_dump()}
+        return {"status": "ok", "role": "store", **rt.location.model_dump()}
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
         return metrics_response(metrics)
 
     return app
+
+
+async def _pull(rt: StoreRuntime, body: StoreReplicate) -> int:
+    """Copy keys from another node into this pool (hot-block replication); count those held."""
+    node = rt.node
+    res = node.put_start(body.keys, body.sizes)
+    placed = [i for i, off in enumerate(res.offsets) if off is not None]
+    if placed:
+        offsets = [res.offsets[i] or 0 for i in placed]
+        keys = [body.keys[i] for i in placed]
+        sizes = [body.sizes[i] for i in placed]
+        addrs = [node.pool_addr + off for off in offsets]
+        source = StoreClient(body.source, rt.engine, rt.http, rt.secret)
+        try:
+            arrived = await source.get_any(keys, addrs, sizes)
+        except StoreError as exc:
+            logger.warning("pulling %d keys from %s failed: %s", len(keys),
+                           body.source.instance_id, exc)
+            arrived = [False] * len(keys)
+        ok = [i for i, a in enumerate(arrived) if a]
+
+        def checksums() -> list[int]:
+            return [crc32c(addrs[i], sizes[i]) for i in ok]
+
+        # The source already verified these bytes against its CRC32C; this is the same value.
+        sums = await asyncio.to_thread(checksums)
+        node.put_end([keys[i] for i in ok], sums)
+        node.put_abort([keys[i] for i, a in enumerate(arrived) if not a])
+    return sum(node.tier_of(k) is not None for k in body.keys)
+
+
+def _node_or_none(app: FastAPI) -> StoreNode | None:
+    rt: StoreRuntime | None = getattr(app.state, "store", None)
+    return rt.node if rt is not None else None
 
 
 @contextlib.contextmanager
@@ -202,11 +257,22 @@ def _bad_request() -> Iterator[None]:
         raise HTTPException(status_code=400, detail=str(exc)) from exc
 
 
-async def _reap_forever(table: ObjectTable) -> None:
+async def _reap_forever(node: StoreNode) -> None:
     """Reap expired leases and abandoned writes while the store runs."""
     while True:
         await asyncio.sleep(_REAP_INTERVAL_S)
-        table.reap()
+        node.table.reap()
+
+
+async def _demote_forever(node: StoreNode) -> None:
+    """Move idle objects to SSD while the store runs."""
+    interval = min(1.0, node.demote_after_s / 4)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await node.demote_idle()
+        except Exception:  # noqa: BLE001 - a failed pass must not stop the next ones
+            logger.exception("idle demotion pass failed")
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:
@@ -214,8 +280,3 @@ async def _cancel(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-
-
-def _close_engine(engine: TransferEngine) -> None:
-    """Stop the transfer engine (its listener, connections and the shared pool)."""
-    engine.close()

@@ -3,7 +3,8 @@
 Control messages go over HTTP to the store role; the bytes move only through the transfer engine,
 one-sided, between the caller's registered memory and the store's registered pool:
   put: put_start (reserve) -> one engine.transfer() of WRITEs -> put_end (commit), or put_abort
-  get: get (lease) -> one engine.transfer() of READs -> verify CRC32C -> release (always)
+  get: get (lease) -> one engine.transfer() of READs -> verify CRC32C -> release (always; sent
+       in the background, so the reader does not wait for it)
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class StoreClient:
         self._base = location.url.rstrip("/")
         self._segment: int | None = None
         self._segment_lock = asyncio.Lock()
+        self._releases: set[asyncio.Task[None]] = set()
 
     @property
     def location(self) -> StoreLocation:
@@ -130,36 +132,57 @@ class StoreClient:
         Every block read is checked against its stored CRC32C (ChecksumError names the first bad
         one). The lease is released whatever happens.
         """
+        got = await self._read(keys, addrs, sizes, sparse=False)
+        return got.index(False) if False in got else len(got)
+
+    async def get_any(self, keys: list[str], addrs: list[int], sizes: list[int]) -> list[bool]:
+        """Read every present block (not only the leading run); per key whether it arrived."""
+        return await self._read(keys, addrs, sizes, sparse=True)
+
+    async def _read(self, keys: list[str], addrs: list[int], sizes: list[int],
+                    sparse: bool) -> list[bool]:
         if not len(keys) == len(addrs) == len(sizes):
             raise ValueError("get: keys, addrs and sizes must have the same length")
         if not keys:
-            return 0
-        reply = await self._post("/store/get", StoreGet(keys=keys), StoreGetReply)
+            return []
+        reply = await self._post("/store/get", StoreGet(keys=keys, sparse=sparse), StoreGetReply)
         if reply.found == 0 or reply.lease_id is None:
-            return 0
+            return [False] * len(keys)
         try:
-            n = reply.found
-            for i in range(n):
-                if reply.sizes[i] != sizes[i]:
-                    raise StoreError(f"block {keys[i]} is {reply.sizes[i]} bytes in the store, "
+            if sparse:
+                if len(reply.present) != len(keys) or sum(reply.present) != reply.found:
+                    raise StoreError(f"store {self._location.instance_id} sent an inconsistent "
+                                     "sparse get reply")
+                idx = [i for i, p in enumerate(reply.present) if p]
+            else:
+                idx = list(range(reply.found))
+            for j, i in enumerate(idx):
+                if reply.sizes[j] != sizes[i]:
+                    raise StoreError(f"block {keys[i]} is {reply.sizes[j]} bytes in the store, "
                                      f"expected {sizes[i]}")
             handle = await self._segment_handle()
             try:
                 await self._engine.transfer([
-                    TransferRequest(Op.READ, addrs[i], handle, reply.offsets[i], sizes[i])
-                    for i in range(n)
+                    TransferRequest(Op.READ, addrs[i], handle, reply.offsets[j], sizes[i])
+                    for j, i in enumerate(idx)
                 ])
             except (TransferError, OSError) as exc:
-                raise StoreError(f"reading {n} blocks from store {self._location.instance_id} "
-                                 f"failed: {exc}") from exc
-            args = (keys[:n], addrs[:n], sizes[:n], reply.checksums[:n])
-            if sum(sizes[:n]) > _INLINE_VERIFY_BYTES:
+                raise StoreError(f"reading {len(idx)} blocks from store "
+                                 f"{self._location.instance_id} failed: {exc}") from exc
+            args = ([keys[i] for i in idx], [addrs[i] for i in idx], [sizes[i] for i in idx],
+                    reply.checksums[:len(idx)])
+            if sum(args[2]) > _INLINE_VERIFY_BYTES:
                 await asyncio.to_thread(_verify, *args)
             else:
                 _verify(*args)
-            return n
+            got = [False] * len(keys)
+            for i in idx:
+                got[i] = True
+            return got
         finally:
-            await self._release_quietly(reply.lease_id)
+            # NOTE: the bytes are in local memory now; the release need not delay the reader
+            # (a lease that is never released expires on its own).
+            self._release_later(reply.lease_id)
 
     async def remove(self, keys: list[str]) -> None:
         """Remove keys from the store (a key being read goes when its reader is done)."""
@@ -201,6 +224,16 @@ class StoreClient:
             await self._post("/store/put_abort", StoreKeys(keys=keys), StoreRemoveReply)
         except Exception as exc:  # noqa: BLE001 - never mask the error that made us abort
             logger.warning("put_abort of %d keys failed: %s", len(keys), exc)
+
+    async def settle(self) -> None:
+        """Wait for lease releases still in flight (tests, shutdown)."""
+        while self._releases:
+            await asyncio.gather(*list(self._releases), return_exceptions=True)
+
+    def _release_later(self, lease_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._release_quietly(lease_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _release_quietly(self, lease_id: str) -> None:
         # The lease also expires on its own; a failed release only pins blocks a while longer.

@@ -5,7 +5,10 @@ An object walks this lifecycle:
             -> put_end  -> READY (visible to exists/get, evictable when unleased)
             -> put_abort / write timeout -> freed
   READY -> get (pinned under a lease, never evicted while pinned) -> release / lease expiry
-        -> evicted (LRU, when space is needed or usage passes the high watermark) or removed.
+        -> evicted (LRU, when space is needed or usage passes the high watermark), taken out by
+           the owner (`evict_key`, e.g. to demote it to SSD) or removed.
+`on_evict` sees every object leaving the pool unasked (LRU or `evict_key`) while its bytes are
+still in place, so the owner can keep a copy (the SSD tier) before the space is reused.
 A removed object that is still leased leaves the key space at once (a new put may reuse the key)
 but keeps its bytes until its last lease ends, so an in-flight reader never sees them change.
 
@@ -101,6 +104,7 @@ class ObjectTable:
         default_lease_s: float = 30.0,
         write_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[StoreObject], None] | None = None,
     ) -> None:
         """Manage `capacity` bytes; `clock` is injectable so tests can move time."""
         if not 0.0 < high_watermark <= 1.0:
@@ -112,6 +116,7 @@ class ObjectTable:
         self._default_lease_s = default_lease_s
         self._write_timeout_s = write_timeout_s
         self._clock = clock
+        self._on_evict = on_evict
         self._objects: dict[str, StoreObject] = {}
         # NOTE: exactly the READY, unleased, not-removed objects, oldest access first.
         self._lru: OrderedDict[str, StoreObject] = OrderedDict()
@@ -208,8 +213,12 @@ class ObjectTable:
 
     # ---- reads ------------------------------------------------------------------------------
 
-    def get(self, keys: list[str], lease_s: float | None = None) -> GetResult:
-        """Pin the longest run of leading READY keys under a new lease."""
+    def get(self, keys: list[str], lease_s: float | None = None, *,
+            sparse: bool = False, touch: bool = True) -> GetResult:
+        """Pin the longest run of leading READY keys (sparse: every READY key) under a lease.
+
+        `touch=False` pins for the owner's own use: no access time, hit or miss is recorded.
+        """
         lease_s = self._default_lease_s if lease_s is None else lease_s
         if lease_s <= 0:
             raise ValueError(f"get: lease_s must be positive, got {lease_s}")
@@ -219,17 +228,21 @@ class ObjectTable:
         for key in keys:
             obj = self._objects.get(key)
             if obj is None or obj.state is not ObjectState.READY:
+                if sparse:
+                    continue
                 break
             found.append(obj)
-        self._hits += len(found)
-        self._misses += len(keys) - len(found)
+        if touch:
+            self._hits += len(found)
+            self._misses += len(keys) - len(found)
         if not found:
             return GetResult(None, [])
         for obj in found:
             if obj.leases == 0:
                 self._lru_remove(obj)
             obj.leases += 1
-            obj.last_access = now
+            if touch:
+                obj.last_access = now
         lease = Lease(uuid.uuid4().hex, found, now + lease_s)
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._lease_deadlines, (lease.expires_at, lease.lease_id))
@@ -260,6 +273,33 @@ class ObjectTable:
     def lookup(self, key: str) -> StoreObject | None:
         """The object stored under `key`, if any (any state)."""
         return self._objects.get(key)
+
+    def is_ready(self, key: str) -> bool:
+        """True when `key` is READY (readable) in this pool."""
+        obj = self._objects.get(key)
+        return obj is not None and obj.state is ObjectState.READY
+
+    def ready_objects(self) -> list[StoreObject]:
+        """Every READY object (leased or not), for a full report to the global index."""
+        return [o for o in self._objects.values() if o.state is ObjectState.READY]
+
+    def idle(self, older_than: float, limit: int = 1024) -> list[StoreObject]:
+        """Unleased READY objects not touched since `older_than` (clock time), oldest first."""
+        found: list[StoreObject] = []
+        for obj in self._lru.values():  # LRU order: stop at the first recent one
+            if obj.last_access > older_than or len(found) >= limit:
+                break
+            found.append(obj)
+        return found
+
+    def evict_key(self, key: str) -> bool:
+        """Take one unleased READY object out of the pool now (on_evict sees it); False if busy."""
+        obj = self._lru.get(key)
+        if obj is None:
+            return False
+        self._lru.move_to_end(key, last=False)
+        self._evict_one(counted=False)
+        return True
 
     # ---- removal and housekeeping -----------------------------------------------------------
 
@@ -330,12 +370,15 @@ class ObjectTable:
         while self._alloc.used > self._high_bytes and self._lru:
             self._evict_one()
 
-    def _evict_one(self) -> None:
+    def _evict_one(self, counted: bool = True) -> None:
         key, obj = self._lru.popitem(last=False)
         self._evictable_bytes -= align_up(obj.size)
         del self._objects[key]
+        if self._on_evict is not None:
+            # NOTE: before free(): the callback may still read the object's bytes.
+            self._on_evict(obj)
         self._alloc.free(obj.offset)
-        self._evictions += 1
+        self._evictions += counted
 
     def _finish_write(self, obj: StoreObject) -> None:
         # The write deadline heap entry stays; reap() skips objects no longer WRITING.

@@ -1,7 +1,8 @@
 """Transfer engine: move KV bytes between registered memory of different processes.
 
 Register memory once, open a peer's segment, then submit batches of READ/WRITE requests and
-await them. Transports: shared memory for same-host peers, TCP otherwise (RDMA not built here).
+await them. Transports, chosen per peer: shared memory for same-host peers, RDMA (libibverbs,
+where built and a device exists), TCP otherwise.
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ from mooncake_server.transfer.engine import (
     crc32c,
 )
 from mooncake_server.transfer.errors import TransferError
+from mooncake_server.transfer.transports import RdmaProbe, pick_transport, probe_rdma_devices
 
 __all__ = [
     "Op",
+    "RdmaProbe",
     "TransferEngine",
     "TransferError",
     "TransferRequest",
     "TransferState",
     "TransferStatus",
     "crc32c",
+    "pick_transport",
+    "probe_rdma_devices",
 ]

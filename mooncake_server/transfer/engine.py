@@ -1,7 +1,8 @@
 """Thin asyncio wrapper over the native transfer engine (`mooncake_server.transfer._native`).
 
 A batch walks: allocate_batch -> submit_transfer (requests queue on native worker threads,
-which slice them and move bytes over shm or TCP) -> every request DONE or FAILED -> wait()
+which slice them and move bytes over shm, RDMA or TCP; a failed slice is retried on another
+connection, RDMA on TCP) -> every request DONE or FAILED -> wait()
 returns or raises TransferError -> free_batch. Completion reaches asyncio through an eventfd
 the native side bumps, watched with loop.add_reader, so waiting never blocks the event loop.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from mooncake_server.transfer.errors import TransferError
+from mooncake_server.transfer.transports import MODES, TRANSPORT_NAMES, open_rdma
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -32,8 +34,6 @@ except ImportError as exc:  # pragma: no cover - depends on the build
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_MODES = {"auto": _native.MODE_AUTO, "shm": _native.MODE_SHM, "tcp": _native.MODE_TCP}
-_TRANSPORT_NAMES = {_native.TRANSPORT_SHM: "shm", _native.TRANSPORT_TCP: "tcp"}
 
 
 class Op(enum.IntEnum):
@@ -104,17 +104,20 @@ def _native_call(peer: str, fn: Callable[..., _T], *args: Any) -> _T:
 
 
 class TransferEngine:
-    """Registered memory + batched READ/WRITE to peers' segments (Mooncake's batch API)."""
+    """Registered memory + batched READ/WRITE to peers' segments (Mooncake's batch API).
+
+    `transport`: auto (shm > rdma > tcp, per peer), or one forced. `verify_crc`: every slice
+    carries a CRC32C that the receiving side checks (a mismatch fails it with a clear error).
+    `rdma_device` / `rdma_gid_index`: which NIC and GID (default: the first device, and a RoCE v2
+    IPv4 GID when there is one).
+    """
 
     def __init__(self, *, secret: bytes, listen_host: str = "127.0.0.1", listen_port: int = 0,
-                 transport: str = "auto", slice_bytes: int = 1 << 20,
+                 transport: str = "auto", slice_bytes: int = 512 << 10,
                  connections_per_peer: int = 4, timeout_s: float = 10.0,
-                 serve: bool = True) -> None:
-        if transport == "rdma":
-            raise TransferError("", "transport 'rdma' is not available: this build has no "
-                                    "libibverbs support (infiniband/verbs.h was absent); use "
-                                    "'auto', 'shm' or 'tcp'")
-        if transport not in _MODES:
+                 serve: bool = True, verify_crc: bool = False, rdma_device: str | None = None,
+                 rdma_gid_index: int = -1) -> None:
+        if transport not in MODES:
             raise ValueError(f"transport must be one of auto, shm, tcp, rdma; got {transport!r}")
         if not 4096 <= slice_bytes <= _native.MAX_SLICE_BYTES:
             raise ValueError(f"slice_bytes must be in 4096..{_native.MAX_SLICE_BYTES}, "
@@ -131,10 +134,16 @@ class TransferEngine:
         self._native = _native_call(
             f"{listen_host}:{listen_port}", _native.Engine,
             bytes(secret), listen_host, listen_port, slice_bytes, connections_per_peer,
-            float(timeout_s), serve, _worker_count(connections_per_peer))
+            float(timeout_s), serve, _worker_count(connections_per_peer), verify_crc)
+        try:
+            self._rdma_device = open_rdma(self._native, transport, rdma_device, rdma_gid_index)
+        except BaseException:
+            self._native.close()
+            raise
         self._host = listen_host
         self._serve = serve
-        self._mode = _MODES[transport]
+        self._mode = MODES[transport]
+        self.verify_crc = verify_crc
         self._peers: dict[int, str] = {}  # segment handle -> "host:port"
         self._batch_segments: dict[int, list[int]] = {}  # batch -> segment handle per request
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}
@@ -142,6 +151,11 @@ class TransferEngine:
         self._closed = False
 
     # -- identity and memory ---------------------------------------------------------------
+
+    @property
+    def rdma_device(self) -> str | None:
+        """The RDMA device this engine opened, or None (no RDMA: shm and TCP only)."""
+        return self._rdma_device
 
     @property
     def address(self) -> str:
@@ -156,7 +170,7 @@ class TransferEngine:
         return memoryview(_native_call("", self._native.alloc_shared, name, nbytes))
 
     def register_memory(self, name: str, buffer: Any) -> None:
-        """Register a writable buffer as segment `name` (served to peers over TCP only)."""
+        """Register a writable buffer as segment `name` (served over RDMA or TCP, not shm)."""
         _native_call("", self._native.register_memory, name, buffer)
 
     def unregister_memory(self, name: str) -> None:
@@ -173,7 +187,9 @@ class TransferEngine:
         except _native.NativeError as exc:
             raise TransferError(peer, f"cannot open segment {name!r}: {exc}") from None
         self._peers[handle] = peer
-        logger.debug("opened segment %r on %s over %s", name, peer, self.transport_of(handle))
+        _, transport, why = _native_call(peer, self._native.segment_info, handle)
+        logger.debug("opened segment %r on %s over %s%s", name, peer, TRANSPORT_NAMES[transport],
+                     f" ({why})" if why else "")
         return handle
 
     async def open_segment_async(self, peer: str, name: str) -> int:
@@ -183,13 +199,18 @@ class TransferEngine:
 
     def segment_size(self, handle: int) -> int:
         """Size in bytes of an opened remote segment."""
-        size, _ = _native_call("", self._native.segment_info, handle)
+        size, _, _ = _native_call("", self._native.segment_info, handle)
         return int(size)
 
     def transport_of(self, handle: int) -> str:
-        """'shm' or 'tcp': how requests to this segment travel."""
-        _, transport = _native_call("", self._native.segment_info, handle)
-        return _TRANSPORT_NAMES[transport]
+        """'shm', 'rdma' or 'tcp': how requests to this segment travel."""
+        _, transport, _ = _native_call("", self._native.segment_info, handle)
+        return TRANSPORT_NAMES[transport]
+
+    def fallback_reason(self, handle: int) -> str:
+        """Why `auto` settled for TCP on this segment ('' when it did not)."""
+        _, _, why = _native_call("", self._native.segment_info, handle)
+        return str(why)
 
     # -- batches ---------------------------------------------------------------------------
 

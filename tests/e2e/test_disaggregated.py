@@ -49,7 +49,8 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def metric(cluster: Cluster, offset: int, name: str) -> float:
     """Read one sample from a role's /metrics."""
-    text = httpx.get(cluster.role_url(offset) + "/metrics", timeout=10).text
+    text = httpx.get(cluster.role_url(offset) + "/metrics", headers=cluster.internal_headers,
+                     timeout=10).text
     m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
     assert m, f"{name} not in metrics"
     return float(m.group(1))
@@ -57,7 +58,8 @@ def metric(cluster: Cluster, offset: int, name: str) -> float:
 
 def metric_sum(cluster: Cluster, offset: int, name: str) -> float:
     """Sum of a labelled series over all its labels (0 when none was ever recorded)."""
-    text = httpx.get(cluster.role_url(offset) + "/metrics", timeout=10).text
+    text = httpx.get(cluster.role_url(offset) + "/metrics", headers=cluster.internal_headers,
+                     timeout=10).text
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
 
 

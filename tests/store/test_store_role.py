@@ -15,7 +15,13 @@ import uvicorn
 from fastapi import FastAPI
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.messages import SECRET_HEADER, Heartbeat, InstanceInfo
+from mooncake_server.messages import (
+    SECRET_HEADER,
+    Heartbeat,
+    InstanceInfo,
+    StoreReport,
+    StoreReportReply,
+)
 from mooncake_server.roles.store import StoreRuntime, build_app
 from mooncake_server.store.client import ChecksumError, StoreClient, StoreError
 from mooncake_server.transfer import TransferEngine, crc32c
@@ -32,6 +38,7 @@ class ConductorStub:
     url: str = ""
     registered: list[InstanceInfo] = field(default_factory=list)
     heartbeats: list[Heartbeat] = field(default_factory=list)
+    reports: list[StoreReport] = field(default_factory=list)
 
 
 @pytest.fixture
@@ -49,6 +56,11 @@ async def conductor() -> AsyncIterator[ConductorStub]:
     async def heartbeat(beat: Heartbeat) -> dict[str, bool]:
         stub.heartbeats.append(beat)
         return {"ok": True}
+
+    @app.post("/internal/store/report")
+    async def report(body: StoreReport) -> StoreReportReply:
+        stub.reports.append(body)
+        return StoreReportReply(accepted=True)
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     task = asyncio.create_task(server.serve())
@@ -143,6 +155,7 @@ async def test_put_then_get_moves_the_exact_bytes(
     for i in range(N_BLOCKS):
         block = side.dst[i * BLOCK:(i + 1) * BLOCK]
         assert crc32c(block) == store.runtime.table.lookup(keys[i]).checksum  # type: ignore[union-attr]
+    await side.client.settle()
     assert store.runtime.table.stats().active_leases == 0  # get released its lease
 
     # A second put of the same keys is a no-op that still reports them as stored.
@@ -155,6 +168,10 @@ async def test_put_then_get_moves_the_exact_bytes(
     assert (info.role, info.segment) == ("store", store.runtime.location.segment)
     assert info.transfer_address == store.runtime.engine.address
     await _until(lambda: len(conductor.heartbeats) >= 1)
+    # ... and reported the committed keys to the global index (a snapshot, then deltas).
+    await _until(lambda: {e.key for r in conductor.reports for e in r.entries
+                          if e.tier == "dram"} >= set(keys))
+    assert conductor.reports[0].snapshot
 
 
 async def test_corrupted_block_raises_checksum_error(side: Side, store: StoreHarness) -> None:
@@ -166,6 +183,7 @@ async def test_corrupted_block_raises_checksum_error(side: Side, store: StoreHar
     with pytest.raises(ChecksumError) as err:
         await get_blocks(side, keys)
     assert err.value.key == keys[3] and keys[3] in str(err.value)
+    await side.client.settle()
     assert store.runtime.table.stats().active_leases == 0  # released on the error path too
 
 
@@ -218,14 +236,19 @@ async def test_metrics_expose_counts(side: Side, store: StoreHarness) -> None:
     keys = keys_for(10)
     assert all(await put_blocks(side, keys))
     assert await get_blocks(side, keys[:4] + ["missing"]) == 4
+    await side.client.settle()
     text = (await store.http.get("/metrics")).text
-    assert "mooncake_store_objects 10.0" in text
-    assert "mooncake_store_hits_total 4.0" in text
+    assert 'mooncake_store_objects{tier="dram"} 10.0' in text
+    assert 'mooncake_store_objects{tier="ssd"} 0.0' in text
+    assert 'mooncake_store_hits_total{tier="dram"} 4.0' in text
+    assert 'mooncake_store_hits_total{tier="ssd"} 0.0' in text
     assert "mooncake_store_misses_total 1.0" in text
     assert "mooncake_store_active_leases 0.0" in text
-    assert "mooncake_store_bytes_capacity 8.388608e+06" in text
-    assert "mooncake_store_evictions_total 0.0" in text
-    assert "mooncake_store_puts_refused_total 0.0" in text
+    assert 'mooncake_store_capacity_bytes{tier="dram"} 8.388608e+06' in text
+    assert 'mooncake_store_bytes{tier="dram"} 100480.0' in text  # 10 x 10,000 B, 64-aligned
+    assert 'mooncake_store_evictions_total{tier="dram"} 0.0' in text
+    for name in ("demotions", "rehydrations", "puts_refused"):
+        assert f"mooncake_store_{name}_total 0.0" in text
 
 
 async def test_internal_endpoints_need_the_secret(store: StoreHarness) -> None:

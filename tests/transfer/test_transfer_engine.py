@@ -1,93 +1,30 @@
-"""Transfer engine across real processes: shm and TCP data paths, authentication, bounds,
-malformed frames, and peers that die or go silent mid-batch."""
+"""Transfer engine across real processes: shm and TCP data paths (with and without per-slice
+CRC32C), authentication, bounds, malformed frames, and peers that die or go silent mid-batch."""
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import hashlib
-import hmac
-import multiprocessing as mp
 import os
 import random
 import signal
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from typing import Any
 
 import pytest
+from transfer_helpers import (
+    SECRET,
+    SEED,
+    SEG_BYTES,
+    KiB,
+    MiB,
+    Peer,
+    address_of,
+    client_handshake,
+    start_peer,
+)
 
 from mooncake_server.transfer import Op, TransferEngine, TransferError, TransferRequest, crc32c
-
-SECRET = b"test-cluster-secret"
-SEG_BYTES = 32 << 20
-SEED = 1234
-KiB, MiB = 1 << 10, 1 << 20
-
-
-def _serve(conn: Connection, secret: bytes, size: int, seed: int) -> None:
-    """Peer process: one shared segment 'kv' (seeded bytes) and one plain segment 'plain'."""
-    engine = TransferEngine(secret=secret, timeout_s=5.0)
-    seg = engine.alloc_shared("kv", size)
-    seg[:] = random.Random(seed).randbytes(size)
-    plain = bytearray(random.Random(seed + 1).randbytes(1 * MiB))
-    engine.register_memory("plain", plain)
-    conn.send((engine.address, os.getpid()))
-    try:
-        while True:
-            cmd, off, n = conn.recv()
-            if cmd == "crc":
-                conn.send(crc32c(seg[off:off + n]))
-            elif cmd == "stop":
-                break
-    except EOFError:
-        pass
-    engine.close()
-
-
-@dataclass
-class Peer:
-    """A running peer process and how to reach it."""
-
-    proc: Any
-    conn: Connection
-    address: str
-    pid: int
-
-    def crc(self, off: int, n: int) -> int:
-        self.conn.send(("crc", off, n))
-        if not self.conn.poll(10):
-            raise TimeoutError("peer did not answer")
-        return int(self.conn.recv())
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                os.kill(self.pid, signal.SIGCONT)
-                self.conn.send(("stop", 0, 0))
-            except (OSError, BrokenPipeError):
-                pass
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-
-
-def start_peer() -> Peer:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_serve, args=(child, SECRET, SEG_BYTES, SEED), daemon=True)
-    proc.start()
-    deadline = time.monotonic() + 30
-    while not parent.poll(0.05):
-        if not proc.is_alive() or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"peer process did not start (exit code {proc.exitcode})")
-    address, pid = parent.recv()
-    return Peer(proc, parent, address, pid)
 
 
 @pytest.fixture(scope="module")
@@ -102,20 +39,17 @@ def expected() -> bytes:
     return random.Random(SEED).randbytes(SEG_BYTES)
 
 
-def address_of(mv: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(mv))
-
-
 # (remote offset, length), disjoint: 64 KiB .. 16 MiB, aligned and not, up to the very end
 RANGES = [(0, 64 * KiB), (70_001, 1 * MiB + 777), (5 * MiB, 16 * MiB), (SEG_BYTES - 3 * MiB,
                                                                          3 * MiB)]
 
 
+@pytest.mark.parametrize("verify_crc", [False, True], ids=["plain", "crc"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-async def test_read_and_write_across_processes(peer: Peer, expected: bytes,
-                                               transport: str) -> None:
+async def test_read_and_write_across_processes(peer: Peer, expected: bytes, transport: str,
+                                               verify_crc: bool) -> None:
     with TransferEngine(secret=SECRET, transport=transport, serve=False, timeout_s=5.0,
-                        slice_bytes=256 * KiB) as client:
+                        slice_bytes=256 * KiB, verify_crc=verify_crc) as client:
         local = client.alloc_shared("local", 24 * MiB)
         base = address_of(local)
         handle = await client.open_segment_async(peer.address, "kv")
@@ -205,23 +139,15 @@ def test_local_range_must_be_registered(peer: Peer) -> None:
         client.free_batch(batch)
 
 
-def _handshake(sock: socket.socket, secret: bytes) -> bytes:
-    hello = sock.recv(40, socket.MSG_WAITALL)
-    assert hello[:8] == b"MCTEHS01"
-    cn = os.urandom(32)
-    sock.sendall(cn + hmac.new(secret, b"mcte-client" + hello[8:] + cn, hashlib.sha256).digest())
-    return sock.recv(33, socket.MSG_WAITALL)
-
-
 def test_malformed_frames_close_only_that_connection(peer: Peer, expected: bytes) -> None:
     host, port = peer.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as sock:
-        reply = _handshake(sock, SECRET)
+        reply = client_handshake(sock, SECRET)
         assert reply[0] == 0  # accepted: the garbage below comes from an authenticated peer
         sock.sendall(os.urandom(32))
         assert sock.recv(1) == b""  # server hung up
     with socket.create_connection((host, int(port)), timeout=5) as sock:
-        assert _handshake(sock, b"wrong")[:1] == b"\x01"
+        assert client_handshake(sock, b"wrong")[:1] == b"\x01"
     with TransferEngine(secret=SECRET, transport="tcp", serve=False) as client:
         local = client.alloc_shared("local", 64 * KiB)
         handle = client.open_segment(peer.address, "kv")
@@ -292,6 +218,37 @@ async def test_dead_peer_fails_batch_within_timeout(peer: Peer, expected: bytes,
         victim.proc.join(5)
 
 
-def test_rdma_is_reported_unavailable() -> None:
-    with pytest.raises(TransferError, match="not available"):
-        TransferEngine(secret=SECRET, transport="rdma")
+
+
+@pytest.mark.parametrize("verify_crc", [False, True], ids=["plain", "crc"])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_many_small_requests_and_one_bad_one(peer: Peer, expected: bytes, transport: str,
+                                                   verify_crc: bool) -> None:
+    # small requests are pipelined together on one connection: each must still land, and a bad
+    # one among them must fail alone without desynchronising the others
+    with TransferEngine(secret=SECRET, transport=transport, serve=False,
+                        verify_crc=verify_crc) as client:
+        local = client.alloc_shared("local", 1 * MiB)
+        base = address_of(local)
+        handle = client.open_segment(peer.address, "kv")
+        rng = random.Random(5)
+        reads = [(i * 8 * KiB, rng.randrange(0, SEG_BYTES - 8 * KiB), 8 * KiB - i % 7)
+                 for i in range(100)]
+        await client.transfer([TransferRequest(Op.READ, base + p, handle, off, n)
+                               for p, off, n in reads])
+        for p, off, n in reads:
+            assert local[p:p + n] == expected[off:off + n]
+
+        local[:] = bytes(1 * MiB)
+        bad = 17
+        batch = client.allocate_batch(40)
+        client.submit_transfer(batch, [
+            TransferRequest(Op.READ, base + p, handle, SEG_BYTES - 10 if i == bad else off, n)
+            for i, (p, off, n) in enumerate(reads[:40])])
+        with pytest.raises(TransferError, match="out of bounds"):
+            await client.wait(batch)
+        states = [client.get_transfer_status(batch, i).state.name for i in range(40)]
+        assert states == ["FAILED" if i == bad else "DONE" for i in range(40)]
+        client.free_batch(batch)
+        for i, (p, off, n) in enumerate(reads[:40]):
+            assert i == bad or local[p:p + n] == expected[off:off + n]

@@ -1,0 +1,452 @@
+#!/usr/bin/env python
+"""Benchmark the store: put/get of 64 KiB, 1 MiB and 4 MiB values from another process, against
+memcpy, Redis (redis-server on 127.0.0.1, redis-py + hiredis) and Mooncake Store when importable.
+
+    .venv/bin/python scripts/bench_store.py [--iters 40] [--skip-redis] [--skip-mooncake]
+
+Our store: a `--role store` process (DRAM pool registered with the transfer engine) and the real
+store-index routes in this process; the client is this process, over shared memory (same host)
+and TCP. Mooncake Store: `mooncake_master` + a holder process that mounts the segment + a client
+process, P2PHANDSHAKE metadata, protocol tcp, all inside `unshare -n` (it binds wildcard
+addresses). Every figure is printed next to the baselines measured in the same run.
+Needs: `pip install -e .[bench]` (redis[hiredis], mooncake-transfer-engine-non-cuda) and Debian
+`redis-server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SIZES = [64 << 10, 1 << 20, 4 << 20]
+SECRET = "bench-store-secret"
+BATCH = 16
+
+
+@dataclass
+class Row:
+    """One measured operation."""
+
+    system: str
+    path: str
+    size: int
+    op: str
+    lat: list[float]  # seconds per call
+    per_call: int = 1  # values moved per call
+
+    @property
+    def gbps(self) -> float:
+        return self.size * self.per_call * len(self.lat) / sum(self.lat) / 1e9
+
+    @property
+    def ops(self) -> float:
+        return self.per_call * len(self.lat) / sum(self.lat)
+
+    def pct(self, q: float) -> float:
+        s = sorted(self.lat)
+        return s[min(len(s) - 1, int(q * len(s)))] * 1e3
+
+
+def human(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def addr_of(buf: object) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))  # type: ignore[arg-type]
+
+
+def iters_for(size: int, iters: int) -> int:
+    return max(8, min(iters, (512 << 20) // (size * BATCH)))
+
+
+# ---- memcpy ---------------------------------------------------------------------------------
+
+def bench_memcpy(iters: int) -> list[Row]:
+    rows = []
+    for size in SIZES:
+        src = bytearray(os.urandom(size))
+        dst = bytearray(size)
+        s, d = addr_of(src), addr_of(dst)
+        lat = []
+        for _ in range(iters_for(size, iters) * 4):
+            t = time.perf_counter()
+            ctypes.memmove(d, s, size)
+            lat.append(time.perf_counter() - t)
+        rows.append(Row("memcpy", "in-process", size, "copy", lat))
+    return rows
+
+
+# ---- our store ------------------------------------------------------------------------------
+
+class IndexThread:
+    """The conductor's registry + store-index routes, served from a thread."""
+
+    def __init__(self) -> None:
+        import uvicorn
+        from fastapi import FastAPI
+
+        from mooncake_server.registry import InstanceRegistry, registry_router
+        from mooncake_server.store.master import StoreMaster, master_router
+
+        self.registry = InstanceRegistry(5.0)
+        self.master = StoreMaster(self.registry, 1, SECRET)
+        app = FastAPI()
+        app.include_router(registry_router(self.registry, SECRET))
+        app.include_router(master_router(self.master, SECRET))
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("index server did not start")
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
+async def bench_ours(iters: int) -> tuple[list[Row], dict[str, float]]:
+    import httpx
+
+    from mooncake_server.messages import StoreLocation
+    from mooncake_server.store.client import StoreClient
+    from mooncake_server.store.cluster import StoreCluster
+    from mooncake_server.transfer import TransferEngine, crc32c
+
+    index = IndexThread()
+    port = free_port()
+    env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": SECRET}
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake_server", "--role", "store",
+                             "--port", str(port), "--conductor-url", index.url,
+                             "--instance-id", "bench-store", "--memory", "1200MiB",
+                             "--log-level", "warning"], env=env, start_new_session=True)
+    rows: list[Row] = []
+    extra: dict[str, float] = {}
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as http:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    r = await http.get(f"http://127.0.0.1:{port}/health")
+                    if r.status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("store node did not start")
+                await asyncio.sleep(0.05)
+            loc = StoreLocation.model_validate(
+                {k: v for k, v in r.json().items() if k in StoreLocation.model_fields})
+            for transport in ("shm", "tcp"):
+                engine = TransferEngine(secret=SECRET.encode(), serve=False, transport=transport)
+                try:
+                    client = StoreClient(loc, engine, http, SECRET)
+                    cluster = StoreCluster(index.url, engine, http, SECRET)
+                    for size in SIZES:
+                        n = iters_for(size, iters)
+                        src = engine.alloc_shared(f"src-{size}", BATCH * size)
+                        src[:] = os.urandom(BATCH * size)
+                        dst = engine.alloc_shared(f"dst-{size}", BATCH * size)
+                        sa, da = addr_of(src), addr_of(dst)
+                        sums = [crc32c(sa + i * size, size) for i in range(BATCH)]
+                        path = "same host (shm)" if transport == "shm" else "TCP"
+                        put_lat, get_lat, bget_lat, cget_lat = [], [], [], []
+                        for it in range(n):
+                            keys = [f"{transport}-{size}-{it}-{i}" for i in range(BATCH)]
+                            t = time.perf_counter()
+                            ok = await client.put(keys[:1], [sa], [size], sums[:1])
+                            put_lat.append(time.perf_counter() - t)
+                            assert ok == [True]
+                            await client.put(keys[1:], [sa + i * size for i in range(1, BATCH)],
+                                             [size] * (BATCH - 1), sums[1:])
+                            t = time.perf_counter()
+                            got = await client.get(keys[:1], [da], [size])
+                            get_lat.append(time.perf_counter() - t)
+                            t = time.perf_counter()
+                            got += await client.get(keys, [da + i * size for i in range(BATCH)],
+                                                    [size] * BATCH)
+                            bget_lat.append(time.perf_counter() - t)
+                            t = time.perf_counter()
+                            got += await cluster.get(keys[:1], [da], [size])
+                            cget_lat.append(time.perf_counter() - t)
+                            assert got == 2 + BATCH, got
+                            await client.remove(keys)
+                        assert bytes(dst) == bytes(src)
+                        rows += [Row("ours", path, size, "put", put_lat),
+                                 Row("ours", path, size, "get", get_lat),
+                                 Row("ours", path, size, f"get x{BATCH}", bget_lat, BATCH),
+                                 Row("ours", path, size, "get via index", cget_lat)]
+                        engine.unregister_memory(f"src-{size}")
+                        engine.unregister_memory(f"dst-{size}")
+                finally:
+                    engine.close()
+            # Batched exists of 256 keys: over HTTP to the node, and the index's prefix query.
+            keys = [f"{i:032x}" for i in range(256)]
+            client_lat, index_lat = [], []
+            for _ in range(200):
+                t = time.perf_counter()
+                await client.prefix_hits(keys)
+                client_lat.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                index.master.prefix(keys)
+                index_lat.append(time.perf_counter() - t)
+            extra["exists256_http_ms"] = statistics.median(client_lat) * 1e3
+            extra["exists256_index_ms"] = statistics.median(index_lat) * 1e3
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        index.stop()
+    return rows, extra
+
+
+# ---- Redis ----------------------------------------------------------------------------------
+
+def bench_redis(iters: int) -> list[Row] | str:
+    server = shutil.which("redis-server")
+    if server is None:
+        return "redis-server not installed (apt-get install redis-server)"
+    try:
+        import redis
+    except ImportError:
+        return "redis-py not installed (pip install 'redis[hiredis]')"
+    port = free_port()
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--protected-mode", "yes"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows = []
+    try:
+        r = redis.Redis(host="127.0.0.1", port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    return "redis-server did not start"
+                time.sleep(0.05)
+        parser = type(r.connection_pool.get_connection("ping").
+                      _parser).__name__ if hasattr(r.connection_pool, "get_connection") else "?"
+        for size in SIZES:
+            value = os.urandom(size)
+            put_lat, get_lat = [], []
+            for it in range(iters_for(size, iters)):
+                key = f"k-{size}-{it}"
+                t = time.perf_counter()
+                r.set(key, value)
+                put_lat.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                got = r.get(key)
+                get_lat.append(time.perf_counter() - t)
+                assert got == value
+                r.delete(key)
+            rows += [Row(f"redis ({parser})", "TCP", size, "put", put_lat),
+                     Row(f"redis ({parser})", "TCP", size, "get", get_lat)]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return rows
+
+
+# ---- Mooncake Store -------------------------------------------------------------------------
+
+def bench_mooncake(iters: int) -> list[Row] | str:
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        return f"mooncake-transfer-engine-non-cuda not importable: {exc}"
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        return "needs root and unshare(1): Mooncake binds wildcard addresses, so it runs in a " \
+               "private network namespace"
+    master = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+    out = Path(tempfile.mkdtemp()) / "mooncake.json"
+    script = (f"ip link set lo up && exec {sys.executable} {__file__} --mooncake-worker "
+              f"--iters {iters} --out {out} --master-bin {master}")
+    run = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True,
+                         timeout=600)
+    if not out.exists():
+        tail = (run.stdout + run.stderr).strip().splitlines()[-5:]
+        return "Mooncake run failed: " + " | ".join(tail)
+    data = json.loads(out.read_text())
+    return [Row(**row) for row in data]
+
+
+def mooncake_worker(iters: int, out: Path, master_bin: str) -> None:
+    """Inside the namespace: master + holder process + this client."""
+    rpc = free_port()
+    master = subprocess.Popen([master_bin, "--rpc_port", str(rpc), "--rpc_address", "127.0.0.1",
+                               "--metrics_port", str(free_port())],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    holder = subprocess.Popen([sys.executable, __file__, "--mooncake-holder", str(rpc)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert holder.stdout is not None
+        line = holder.stdout.readline()  # "ready" once its segment is mounted
+        if "ready" not in line:
+            raise RuntimeError(f"holder failed: {line!r}")
+        from mooncake.store import MooncakeDistributedStore
+
+        store = MooncakeDistributedStore()
+        # No global segment: every value lives in the holder, so bytes cross a socket.
+        rc = store.setup(f"127.0.0.1:{free_port()}", "P2PHANDSHAKE", 0, 512 << 20, "tcp", "",
+                         f"127.0.0.1:{rpc}")
+        if rc != 0:
+            raise RuntimeError(f"client setup returned {rc}")
+        rows = []
+        for size in SIZES:
+            src = ctypes.create_string_buffer(BATCH * size)
+            dst = ctypes.create_string_buffer(BATCH * size)
+            ctypes.memmove(src, os.urandom(BATCH * size), BATCH * size)
+            sa, da = ctypes.addressof(src), ctypes.addressof(dst)
+            store.register_buffer(sa, BATCH * size)
+            store.register_buffer(da, BATCH * size)
+            put_lat, get_lat, bget_lat = [], [], []
+            for it in range(iters_for(size, iters)):
+                keys = [f"mc-{size}-{it}-{i}" for i in range(BATCH)]
+                t = time.perf_counter()
+                rc = store.put_from(keys[0], sa, size)
+                put_lat.append(time.perf_counter() - t)
+                if rc != 0:
+                    raise RuntimeError(f"put_from returned {rc}")
+                store.batch_put_from(keys[1:], [sa + i * size for i in range(1, BATCH)],
+                                     [size] * (BATCH - 1))
+                t = time.perf_counter()
+                got = store.batch_get_into(keys[:1], [da], [size])
+                get_lat.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                got += store.batch_get_into(keys, [da + i * size for i in range(BATCH)],
+                                            [size] * BATCH)
+                bget_lat.append(time.perf_counter() - t)
+                if any(g != size for g in got):
+                    raise RuntimeError(f"batch_get_into returned {got}")
+                store.batch_remove(keys) if hasattr(store, "batch_remove") else None
+            if dst.raw != src.raw:
+                raise RuntimeError("Mooncake returned different bytes")
+            store.unregister_buffer(sa)
+            store.unregister_buffer(da)
+            for op, lat, per in (("put", put_lat, 1), ("get", get_lat, 1),
+                                 (f"get x{BATCH}", bget_lat, BATCH)):
+                rows.append({"system": "mooncake", "path": "TCP (remote holder)", "size": size,
+                             "op": op, "lat": lat, "per_call": per})
+        out.write_text(json.dumps(rows))
+        store.close()
+    finally:
+        holder.kill()
+        master.kill()
+
+
+def mooncake_holder(rpc: int) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(f"127.0.0.1:{free_port()}", "P2PHANDSHAKE", 1536 << 20, 16 << 20, "tcp", "",
+                     f"127.0.0.1:{rpc}")
+    print("ready" if rc == 0 else f"setup returned {rc}", flush=True)
+    time.sleep(3600)
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+def find(rows: list[Row], system: str, path: str, size: int, op: str) -> Row | None:
+    return next((r for r in rows if r.system.startswith(system) and r.path.startswith(path)
+                 and r.size == size and r.op == op), None)
+
+
+def report(rows: list[Row], extra: dict[str, float], notes: list[str]) -> None:
+    print(f"\n{'system':<18}{'path':<21}{'size':>8}  {'op':<14}{'GB/s':>7}{'ops/s':>9}"
+          f"{'p50 ms':>9}{'p99 ms':>9}")
+    for r in rows:
+        print(f"{r.system:<18}{r.path:<21}{human(r.size):>8}  {r.op:<14}{r.gbps:>7.2f}"
+              f"{r.ops:>9.0f}{r.pct(0.5):>9.3f}{r.pct(0.99):>9.3f}")
+    print("\nratios (throughput, same run; targets at >= 1 MiB in brackets):")
+    for size in SIZES:
+        tcp = find(rows, "ours", "TCP", size, "get")
+        tcpb = find(rows, "ours", "TCP", size, f"get x{BATCH}")
+        shm = find(rows, "ours", "same host", size, "get")
+        shmb = find(rows, "ours", "same host", size, f"get x{BATCH}")
+        memcpy = find(rows, "memcpy", "", size, "copy")
+        redis = find(rows, "redis", "", size, "get")
+        mc = find(rows, "mooncake", "", size, "get")
+        mcb = find(rows, "mooncake", "", size, f"get x{BATCH}")
+        line = [f"{human(size):>7}:"]
+        if tcp and redis:
+            line.append(f"TCP get / Redis GET {tcp.gbps / redis.gbps:.2f}x [>=2]")
+        if tcp and mc:
+            line.append(f"TCP get / Mooncake get {tcp.gbps / mc.gbps:.2f}x")
+        if tcpb and mcb:
+            line.append(f"TCP get x{BATCH} / Mooncake batch_get_into x{BATCH} "
+                        f"{tcpb.gbps / mcb.gbps:.2f}x [>=1.5]")
+        if shm and memcpy:
+            line.append(f"shm get / memcpy {shm.gbps / memcpy.gbps:.2f}x")
+        if shmb and memcpy:
+            line.append(f"shm get x{BATCH} / memcpy {shmb.gbps / memcpy.gbps:.2f}x [>=0.8]")
+        print("  " + "; ".join(line))
+    if extra:
+        print(f"\nbatched exists of 256 keys: {extra['exists256_http_ms']:.3f} ms over HTTP to a "
+              f"node (incl. the round trip), {extra['exists256_index_ms']:.3f} ms in the global "
+              "index [< 1 ms]")
+    for note in notes:
+        print(f"note: {note}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=40, help="calls per size and op (capped by size)")
+    p.add_argument("--skip-redis", action="store_true")
+    p.add_argument("--skip-mooncake", action="store_true")
+    p.add_argument("--mooncake-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mooncake-holder", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--master-bin", default="mooncake_master", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.mooncake_holder is not None:
+        mooncake_holder(args.mooncake_holder)
+        return
+    if args.mooncake_worker:
+        mooncake_worker(args.iters, args.out, args.master_bin)
+        return
+    notes: list[str] = []
+    rows = bench_memcpy(args.iters)
+    ours, extra = asyncio.run(bench_ours(args.iters))
+    rows += ours
+    for name, skip, fn in (("Redis", args.skip_redis, bench_redis),
+                           ("Mooncake Store", args.skip_mooncake, bench_mooncake)):
+        if skip:
+            continue
+        got = fn(args.iters)
+        if isinstance(got, str):
+            notes.append(f"{name} skipped: {got}")
+        else:
+            rows += got
+    report(rows, extra, notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The ledger: prefill queues drain as first tokens arrive, calibration, heartbeats as a floor."""
+
+from __future__ import annotations
+
+import pytest
+from sched_helpers import Clock
+
+from mooncake_server.messages import Heartbeat
+from mooncake_server.scheduler.load import LoadTracker
+
+
+def test_queue_is_the_sum_of_queued_estimates_minus_progress() -> None:
+    clock = Clock()
+    t = LoadTracker(clock)
+    t.assign("a", "p1", 2.0, "d1", 100)
+    t.assign("b", "p1", 1.0, "d1", 50)
+    assert t.prefill_queue_s("p1") == pytest.approx(3.0)
+    clock.now += 0.5  # a has run for half a second
+    assert t.prefill_queue_s("p1") == pytest.approx(2.5)
+    clock.now += 1.5
+    t.prefill_done("a")  # on time: calibration stays 1
+    assert t.calibration("p1") == pytest.approx(1.0)
+    assert t.prefill_queue_s("p1") == pytest.approx(1.0)
+    assert t.prefill_queue_s("p2") == 0.0
+
+
+def test_slow_prefills_raise_later_estimates() -> None:
+    clock = Clock()
+    t = LoadTracker(clock)
+    for i in range(5):
+        t.assign(f"r{i}", "p1", 1.0, "d1", 10)
+        clock.now += 3.0  # every prefill takes 3x the model's estimate
+        t.prefill_done(f"r{i}")
+    assert t.calibration("p1") > 2.0
+    t.assign("next", "p1", 1.0, "d1", 10)
+    assert t.prefill_queue_s("p1") > 2.0
+
+
+def test_decode_batch_follows_requests_and_tokens() -> None:
+    t = LoadTracker(Clock())
+    t.assign("a", "p1", 1.0, "d1", 100)
+    t.assign("b", "p1", 1.0, "d1", 50)
+    t.token("a")
+    assert t.decode_load("d1") == (2, 151)
+    t.finished("a")
+    assert t.decode_load("d1") == (1, 50)
+    t.finished("b")
+    assert t.decode_load("d1") == (0, 0) and t.in_flight() == 0
+    assert t.prefill_queue_s("p1") == 0.0
+
+
+def test_heartbeat_reporting_more_work_raises_the_estimate() -> None:
+    t = LoadTracker(Clock())
+    t.assign("a", "p1", 1.0, "d1", 100)
+    beat = Heartbeat(instance_id="p1", waiting=3)
+    assert t.prefill_queue_s("p1", beat) == pytest.approx(3.0)
+    assert t.prefill_queue_len("p1", beat) == 3
+    assert t.decode_load("d1", Heartbeat(instance_id="d1", running=4)) == (4, 400)
+    # A beat reporting less than the ledger never lowers it (it may predate our requests).
+    assert t.prefill_queue_s("p1", Heartbeat(instance_id="p1", waiting=0)) == pytest.approx(1.0)
+
+
+def test_slow_decode_steps_raise_tbt_estimates() -> None:
+    clock = Clock()
+    t = LoadTracker(clock)
+    t.assign("a", "p1", 1.0, "d1", 100)
+    t.prefill_done("a")
+    t.token("a", 0.05)  # first decoded token: its gap includes loading KV, not counted
+    for _ in range(60):
+        clock.now += 0.2  # steps take 4x the modelled 50 ms (a busy shared CPU)
+        t.token("a", 0.05)
+    assert 3.0 < t.decode_calibration("d1") <= 4.0
+    assert t.decode_calibration("d2") == 1.0

@@ -1,0 +1,159 @@
+"""Algorithm 1 on synthetic clusters: cache affinity, load balance, SLO early rejection, policies."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from sched_helpers import BT, MODEL, Clock, cluster, request
+
+from mooncake_server.config import POLICIES
+from mooncake_server.messages import Heartbeat
+from mooncake_server.scheduler.load import LoadTracker
+from mooncake_server.scheduler.oracle import STORE_WIDE
+from mooncake_server.scheduler.policy import KVCacheScheduler, Policy, SLORejected
+
+
+class Hits:
+    """A prefix oracle answering from a fixed table."""
+
+    def __init__(self, table: dict[str, int]) -> None:
+        self.table = table
+        self.asked = 0
+
+    async def longest_prefix(self, keys: list[str]) -> dict[str, int]:
+        self.asked += 1
+        return dict(self.table)
+
+
+def scheduler(policy: str, hits: dict[str, int] | None = None, *, prefill: int = 2,
+              decode: int = 2, ttft_slo: float | None = None, tbt_slo: float | None = None,
+              seed: int = 0) -> KVCacheScheduler:
+    clock = Clock()
+    return KVCacheScheduler(cluster(prefill, decode, clock=clock), MODEL, policy=policy,
+                            block_tokens=BT, oracle=Hits(hits or {}), ttft_slo_s=ttft_slo,
+                            tbt_slo_s=tbt_slo, tracker=LoadTracker(clock),
+                            rng=random.Random(seed))
+
+
+def keys(n_tokens: int) -> list[str]:
+    return [f"k{i}" for i in range(n_tokens // BT)]
+
+
+def test_policy_names_match_the_flag() -> None:
+    assert {p.value for p in Policy} == set(POLICIES)
+
+
+@pytest.mark.parametrize("policy", ["cache-local", "cache-global"])
+async def test_prefers_the_instance_holding_the_prefix(policy: str) -> None:
+    s = scheduler(policy, {"p2": 60, STORE_WIDE: 60})
+    plan = await s.plan(request("r", 1000), keys(1000))
+    assert plan is not None and plan.prefill.instance_id == "p2"
+    assert plan.prefill_estimate.reused_tokens == 60 * BT
+    assert plan.prefill_estimate.fetched_tokens == 0
+
+
+async def test_global_policy_sends_work_off_an_overloaded_holder_and_fetches() -> None:
+    s = scheduler("cache-global", {"p1": 60, STORE_WIDE: 60})
+    # p1 holds the prefix but has 5 s of prefill queued; p2 is idle.
+    s.tracker.assign("busy", "p1", 5.0, "d1", 10)
+    plan = await s.plan(request("r", 1000), keys(1000))
+    assert plan is not None and plan.prefill.instance_id == "p2"
+    assert plan.prefill_estimate.fetched_tokens == 60 * BT  # p2 pulls it from the store
+    assert plan.prefill_estimate.ttft_s < 1.0
+
+
+async def test_local_policy_recomputes_instead_of_fetching() -> None:
+    s = scheduler("cache-local", {"p1": 60, STORE_WIDE: 60})
+    s.tracker.assign("busy", "p1", 5.0, "d1", 10)
+    plan = await s.plan(request("r", 1000), keys(1000))
+    assert plan is not None and plan.prefill.instance_id == "p2"
+    assert plan.prefill_estimate.reused_tokens == 0  # only p1's own cache counts
+
+
+async def test_placements_spread_as_the_queue_builds() -> None:
+    s = scheduler("cache-global")
+    picked = Counter()
+    for i in range(10):
+        plan = await s.plan(request(f"r{i}", 500), keys(500))
+        assert plan is not None
+        picked[plan.prefill.instance_id] += 1
+    assert picked == {"p1": 5, "p2": 5}
+
+
+async def test_rejects_at_once_when_ttft_slo_cannot_be_met() -> None:
+    s = scheduler("cache-global", ttft_slo=1.0)
+    for iid in ("p1", "p2"):
+        s.tracker.assign(f"busy-{iid}", iid, 3.0, "d1", 10)
+    with pytest.raises(SLORejected) as err:
+        await s.plan(request("r", 200), keys(200))
+    assert err.value.status == 429
+    assert err.value.retry_after_s == 3  # ~2.2 s over the SLO, rounded up
+    assert "TTFT" in str(err.value) and "--ttft-slo" in str(err.value)
+    assert s.rejected == 1 and s.tracker.in_flight() == 2  # nothing was queued for it
+
+
+async def test_accepts_when_one_instance_can_meet_the_slo() -> None:
+    s = scheduler("cache-global", ttft_slo=1.0)
+    s.tracker.assign("busy", "p1", 3.0, "d1", 10)
+    plan = await s.plan(request("r", 200), keys(200))
+    assert plan is not None and plan.prefill.instance_id == "p2"
+
+
+async def test_rejects_when_tbt_slo_cannot_be_met() -> None:
+    s = scheduler("cache-global", tbt_slo=0.05, decode=1)
+    for i in range(5):
+        s.tracker.assign(f"run{i}", "p1", 0.0, "d1", 100)
+    await s.plan(request("ok", 100), keys(100))  # a batch of 6: 20 + 6 × 5 = 50 ms, at the SLO
+    with pytest.raises(SLORejected, match="TBT"):
+        await s.plan(request("r", 100), keys(100))
+
+
+async def test_decode_goes_to_the_lowest_tbt_with_room() -> None:
+    s = scheduler("cache-global")
+    s.tracker.assign("a", "p1", 0.0, "d1", 100)
+    plan = await s.plan(request("r", 100), keys(100))
+    assert plan is not None and plan.decode.instance_id == "d2"
+    # d2 reports too little free KV memory for the request: d1 it is.
+    s.registry.heartbeat(Heartbeat(instance_id="d2", free_blocks=1))
+    plan = await s.plan(request("r2", 100), keys(100))
+    assert plan is not None and plan.decode.instance_id == "d1"
+
+
+async def test_load_policy_ignores_caches_and_picks_the_shortest_queue() -> None:
+    s = scheduler("load", {"p1": 60, STORE_WIDE: 60})
+    s.tracker.assign("busy", "p1", 0.5, "d1", 10)
+    plan = await s.plan(request("r", 1000), keys(1000))
+    assert plan is not None and plan.prefill.instance_id == "p2"
+    assert plan.decode.instance_id == "d2"
+
+
+async def test_random_policy_uses_every_instance() -> None:
+    s = scheduler("random", {"p1": 60, STORE_WIDE: 60}, prefill=3, decode=3, seed=1)
+    seen_p, seen_d = set(), set()
+    for i in range(40):
+        plan = await s.plan(request(f"r{i}", 300), keys(300))
+        assert plan is not None
+        seen_p.add(plan.prefill.instance_id)
+        seen_d.add(plan.decode.instance_id)
+        s.release(f"r{i}")
+    assert seen_p == {"p1", "p2", "p3"} and seen_d == {"d1", "d2", "d3"}
+
+
+async def test_picker_methods_return_the_plan_and_release_forgets_it() -> None:
+    s = scheduler("cache-global", {"s1": 10, STORE_WIDE: 10})
+    req = request("r", 300)
+    plan = await s.plan(req, keys(300))
+    assert plan is not None
+    assert s.pick_store(req, keys(300)).instance_id == "s1"  # type: ignore[union-attr]
+    assert s.pick_prefill(req, keys(300)) == plan.prefill
+    assert s.pick_decode(req) == plan.decode
+    s.release("r")
+    assert s.tracker.in_flight() == 0
+
+
+async def test_missing_role_means_no_plan() -> None:
+    s = KVCacheScheduler(cluster(prefill=0), MODEL, block_tokens=BT)
+    assert await s.plan(request("r", 100), keys(100)) is None
+    assert s.pick_prefill(request("r", 100), []) is None

@@ -1,0 +1,145 @@
+"""scripts/replay_trace.py: trace -> prompts keeps the prefix structure; the statistics."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def rt() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("replay_trace", ROOT / "scripts" /
+                                                  "replay_trace.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["replay_trace"] = module  # dataclasses resolve annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def req(rt: ModuleType, hash_ids: list[int], input_length: int, ts: float = 0.0):
+    return rt.TraceRequest(ts, input_length, 4, tuple(hash_ids))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_shared_hash_prefixes_give_identical_token_prefixes(rt: ModuleType) -> None:
+    b = rt.PromptBuilder(16)
+    x = b.prompt(req(rt, [1, 2, 3, 4], 4 * 512))
+    y = b.prompt(req(rt, [1, 2, 3, 9, 10], 5 * 512))
+    z = b.prompt(req(rt, [7, 2, 3], 3 * 512))
+    assert x[:48] == y[:48] and x[48:64] != y[48:64]
+    assert common_prefix(x, z) < 16  # different first block: nothing shared as a prefix
+    # The same request maps to the same prompt in another builder with the same seed.
+    assert rt.PromptBuilder(16).prompt(req(rt, [1, 2, 3, 4], 2048)) == x
+    assert rt.PromptBuilder(16, seed=1).prompt(req(rt, [1, 2, 3, 4], 2048)) != x
+
+
+def test_lengths_scale_with_the_partial_last_block(rt: ModuleType) -> None:
+    b = rt.PromptBuilder(32)
+    assert len(b.prompt(req(rt, [1, 2, 3], 3 * 512))) == 96
+    assert len(b.prompt(req(rt, [1, 2, 3], 2 * 512 + 256))) == 64 + 16
+    assert len(b.prompt(req(rt, [1], 1))) == 1  # never empty
+    # A shorter request sharing the blocks is an exact prefix of the longer one.
+    long = b.prompt(req(rt, [1, 2, 3], 3 * 512))
+    short = b.prompt(req(rt, [1, 2, 3], 2 * 512 + 100))
+    assert long[:len(short)] == short
+    assert all(1000 <= t < 40000 for t in long)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
+def test_real_trace_prefix_sharing_is_preserved(rt: ModuleType) -> None:
+    trace = rt.load_trace(TRACE, 0, 300)
+    assert len(trace) == 300
+    b = rt.PromptBuilder(16)
+    prompts = [b.prompt(r, i) for i, r in enumerate(trace)]
+    shared_pairs = 0
+    for i in range(len(trace)):
+        for j in range(i + 1, len(trace)):
+            hi, hj = trace[i].hash_ids, trace[j].hash_ids
+            k = 0
+            while k < min(len(hi), len(hj)) and hi[k] == hj[k]:
+                k += 1
+            full = min(k, len(hi) - 1, len(hj) - 1)  # blocks complete in both prompts
+            assert common_prefix(prompts[i], prompts[j]) >= full * 16
+            if k == 0:
+                assert common_prefix(prompts[i], prompts[j]) < 16
+            shared_pairs += k > 0
+        assert len(prompts[i]) == b.length(trace[i])
+    assert shared_pairs > 10  # the slice does exercise sharing
+
+
+def test_tbt_is_the_mean_of_the_longest_tenth_of_gaps(rt: ModuleType) -> None:
+    times = [0.0]
+    for gap in [0.1] * 18 + [1.0, 2.0]:  # 20 gaps: the longest 10% are 2.0 and 1.0
+        times.append(times[-1] + gap)
+    assert rt.request_tbt(times) == pytest.approx(1.5)
+    assert rt.request_tbt([0.0, 0.3]) == pytest.approx(0.3)
+    assert rt.request_tbt([0.0]) is None
+
+
+def test_percentiles_interpolate(rt: ModuleType) -> None:
+    values = list(range(1, 101))
+    assert rt.percentile(values, 50) == pytest.approx(50.5)
+    assert rt.percentile(values, 99) == pytest.approx(99.01)
+    assert math.isnan(rt.percentile([], 50))
+
+
+def test_summary_counts_slo_attainment_rejections_and_hits(rt: ModuleType) -> None:
+    O = rt.Outcome
+    outcomes = [
+        O("ok", ttft_s=0.5, token_times=[0.5, 0.6, 0.7], prompt_tokens=100, cached_tokens=50),
+        O("ok", ttft_s=3.0, token_times=[3.0, 3.1], prompt_tokens=100, cached_tokens=0),  # TTFT
+        O("ok", ttft_s=0.2, token_times=[0.2, 1.2], prompt_tokens=100, cached_tokens=50),  # TBT
+        O("rejected"),
+        O("error", error="boom"),
+    ]
+    s = rt.summarize(outcomes, ttft_slo=1.0, tbt_slo=0.5)
+    assert (s.requests, s.ok, s.rejected, s.errors) == (5, 3, 1, 1)
+    assert s.cache_hit_rate == pytest.approx(100 / 300)
+    assert s.computed_tokens_per_request == pytest.approx(200 / 3)
+    assert s.within_slo == pytest.approx(1 / 5)
+    assert s.accepted_within_slo == pytest.approx(1 / 4)
+    assert s.ttft_p50 == pytest.approx(0.5)
+
+
+async def test_send_reads_a_stream_and_recognises_429(rt: ModuleType) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        assert body["ignore_eos"] is True and body["max_tokens"] == 2
+        if body["prompt"] == [1]:
+            return httpx.Response(429, headers={"Retry-After": "2"},
+                                  json={"error": {"message": "overloaded"}})
+        chunks = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+                  {"choices": [], "usage": {"prompt_tokens": 3,
+                                            "prompt_tokens_details": {"cached_tokens": 2}}}]
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        ok = await rt.send(client, "http://x", "m", [5, 6, 7], 2)
+        rejected = await rt.send(client, "http://x", "m", [1], 2)
+    assert ok.status == "ok" and len(ok.token_times) == 2 and ok.cached_tokens == 2
+    assert ok.ttft_s == ok.token_times[0]
+    assert rejected.status == "rejected"
+
+
+def test_unknown_launch_spec_is_a_clear_error(rt: ModuleType, tmp_path: Path) -> None:
+    with (pytest.raises(ValueError, match="--launch: unknown configuration"),
+          rt.launch("three-nodes", [], [], tmp_path)):
+        pass
