@@ -271,7 +271,7 @@ async def _demote_forever(node: StoreNode) -> None:
         await asyncio.sleep(interval)
         try:
             await node.demote_idle()
-        except Exception:  # noqa: BLE001 - a failed pass must not stop the next ones
+        except Exception:
             logger.exception("idle demotion pass failed")
 
 

@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 from mooncake_server.store.node import StoreNode
 
 
-def _by_tier(name: str, doc: str, kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+def _by_tier(name: str, doc: str, kind: type[GaugeMetricFamily | CounterMetricFamily],
              dram: float, ssd: float) -> Metric:
     family = kind(name, doc, labels=["tier"])
     family.add_metric(["dram"], dram)

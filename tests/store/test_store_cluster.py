@@ -11,16 +11,16 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from store_procs import SECRET, IndexServer, StoreProc, addr_of, index_server, store_proc, until
 
 from mooncake_server.store.cluster import StoreCluster, StoreUnavailable
 from mooncake_server.transfer import TransferEngine, crc32c
-from store_procs import SECRET, IndexServer, StoreProc, addr_of, index_server, store_proc, until
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
     """One sample of a Prometheus text page."""
     pattern = rf"^{re.escape(name)}{re.escape(labels)} (\S+)$"
-    m = re.search(pattern, text, re.M)
+    m = re.search(pattern, text, re.MULTILINE)
     assert m, f"{name}{labels} not in metrics"
     return float(m.group(1))
 

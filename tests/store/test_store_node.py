@@ -6,11 +6,12 @@ import os
 import random
 from pathlib import Path
 
+from store_procs import addr_of
+
 from mooncake_server.messages import StoreEntry
 from mooncake_server.store.node import StoreNode
 from mooncake_server.store.ssd import SsdTier
 from mooncake_server.transfer import crc32c
-from store_procs import addr_of
 
 BLOCK = 4096
 
@@ -45,7 +46,7 @@ def put(node: StoreNode, data: dict[str, bytes]) -> list[bool]:
     return [off is not None for off in res.offsets]
 
 
-def read(node: StoreNode, objects: list) -> dict[str, bytes]:  # noqa: ANN001
+def read(node: StoreNode, objects: list) -> dict[str, bytes]:
     return {o.key: bytes(node.pool[o.offset:o.offset + o.size]) for o in objects}
 
 

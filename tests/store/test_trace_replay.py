@@ -16,12 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from store_procs import SECRET, addr_of, index_server
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.roles.store import build_app
 from mooncake_server.store.client import StoreClient
 from mooncake_server.transfer import TransferEngine, crc32c
-from store_procs import SECRET, addr_of, index_server
 
 TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "synthetic_trace.jsonl"
 VALUE = 64  # bytes per block: keys are what is under test
