@@ -26,8 +26,13 @@ def kv_namespace(model_name: str, dtype: str, block_tokens: int) -> str:
     return f"mooncake-kv/v{KEY_SCHEME_VERSION}/{model_name}/{dtype}/bt{block_tokens}"
 
 
-def block_keys(token_ids: Sequence[int], block_tokens: int, namespace: str) -> list[str]:
-    """One hex key per FULL block of `token_ids`; a trailing partial block gets none."""
+def block_keys(token_ids: Sequence[int], block_tokens: int, namespace: str,
+               after: str | None = None) -> list[str]:
+    """One hex key per FULL block of `token_ids`; a trailing partial block gets none.
+
+    `after` is the key of the block just before `token_ids[0]` (None: they start the sequence),
+    so a chain can be extended block by block without hashing its beginning again.
+    """
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be at least 1, got {block_tokens}")
     n_blocks = len(token_ids) // block_tokens
@@ -41,7 +46,8 @@ def block_keys(token_ids: Sequence[int], block_tokens: int, namespace: str) -> l
         packed.byteswap()
     data = memoryview(packed.tobytes())
     step = block_tokens * 4
-    prev = blake2b(namespace.encode(), digest_size=_DIGEST_SIZE).digest()
+    prev = (bytes.fromhex(after) if after is not None
+            else blake2b(namespace.encode(), digest_size=_DIGEST_SIZE).digest())
     keys: list[str] = []
     for start in range(0, n_blocks * step, step):
         h = blake2b(prev, digest_size=_DIGEST_SIZE)

@@ -31,6 +31,9 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--max-batch-size", "max_batch_size", int, "most sequences per decode step (default 32)"),
     ("--prefill-chunk", "prefill_chunk_tokens", int, "prompt tokens per forward pass"),
     ("--torch-threads", "torch_threads", int, "torch intra-op threads"),
+    ("--kv-write", "kv_write", str,
+     "prefill: `layer` (default) streams each layer's KV to the store as soon as it is "
+     "computed; `after` writes whole blocks once the forward pass is done"),
     ("--memory", "store_memory_bytes", str, "store DRAM pool size, e.g. 8GiB"),
     ("--ssd-dir", "store_ssd_dir", str, "store SSD tier directory (default: no SSD tier)"),
     ("--ssd-capacity", "store_ssd_capacity_bytes", str, "store SSD tier size, e.g. 64GiB"),
@@ -58,6 +61,11 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--log-prompts", "log_prompts", bool, "log every request's prompt (off by default)"),
     ("--heartbeat-interval", "heartbeat_interval_s", float, "seconds between heartbeats"),
     ("--heartbeat-timeout", "heartbeat_timeout_s", float, "seconds before an instance is dead"),
+    ("--drain-timeout", "drain_timeout_s", float,
+     "seconds a SIGTERM'd instance may finish its running work before it exits (default 30)"),
+    ("--failover-wait", "failover_wait_s", float,
+     "conductor: seconds to wait for a live instance when moving a request off a dead one "
+     "(default 30)"),
     ("--policy", "policy", str,
      "conductor's placement: random | load | cache-local | cache-global (default)"),
     ("--ttft-slo", "ttft_slo_s", float,
@@ -164,13 +172,15 @@ def run(config: ServerConfig) -> None:
         return
     import uvicorn
 
+    from mooncake_server.drain import DrainingServer
     from mooncake_server.roles import app_for_role
 
     app = app_for_role(config)
-    uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
+    # NOTE: SIGTERM first drains the role (its app.state.drain), then uvicorn shuts down.
+    DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
                                   log_level=config.log_level, access_log=False,
                                   timeout_graceful_shutdown=5,
-                                  lifespan="on")).run()
+                                  lifespan="on"), app).run()
 
 
 def _profile(argv: list[str]) -> None:

@@ -13,6 +13,7 @@ ROLES = ("conductor", "prefill", "decode", "store", "all", "colocated")
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("random", "load", "cache-local", "cache-global")
+KV_WRITES = ("layer", "after")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -54,6 +55,7 @@ class ServerConfig:
     max_batch_size: int = 32
     prefill_chunk_tokens: int = 2048
     torch_threads: int | None = None
+    kv_write: str = "layer"  # prefill: stream each layer's KV to the store | write after forward
 
     # Store
     store_memory_bytes: int = 2 << 30
@@ -89,6 +91,10 @@ class ServerConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
+    # Faults: how long a SIGTERM'd instance may finish its work; how long the conductor waits
+    # for a live instance to move a request to when the one serving it died.
+    drain_timeout_s: float = 30.0
+    failover_wait_s: float = 30.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -118,10 +124,17 @@ class ServerConfig:
             raise ValueError(f"--replicas: must be in 1..16, got {self.store_replicas}")
         if self.max_batch_size < 1:
             raise ValueError("--max-batch-size: must be at least 1")
+        if self.kv_write not in KV_WRITES:
+            raise ValueError(f"--kv-write: must be one of {', '.join(KV_WRITES)}, got "
+                             f"{self.kv_write!r}")
         if self.prefill_chunk_tokens < self.block_tokens:
             raise ValueError("--prefill-chunk: must be at least --block-tokens")
         self._check_request_limits()
         self._check_scheduling()
+        for flag, value in (("--drain-timeout", self.drain_timeout_s),
+                            ("--failover-wait", self.failover_wait_s)):
+            if not value >= 0:
+                raise ValueError(f"{flag}: must not be negative (seconds), got {value}")
         if self.role in ("prefill", "decode", "store") and not self.conductor_url:
             raise ValueError(f"--conductor-url: required for --role {self.role}")
 

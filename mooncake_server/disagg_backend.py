@@ -9,6 +9,10 @@ A request that ends before the decode instance took it over (EOS or max_tokens a
 token, the caller closing the iterator, an error) removes its partial tail block from the store;
 closing the iterator while decoding closes the HTTP stream, which the decode instance sees as a
 disconnect and frees the request.
+Faults (failover.py): a prefill job whose instance dies, stalls or refuses it is re-sent to
+another prefill instance; a decoding request whose instance dies, stalls or fails it, or that an
+operator moves (POST /internal/migrate), goes on on another decode instance from the tokens the
+client already has, none repeated.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple, Protocol
 
 import httpx
@@ -27,25 +32,46 @@ from pydantic import ValidationError
 from mooncake_server.backend import BackendError, GenerateRequest, TokenEvent
 from mooncake_server.block_keys import block_keys, kv_namespace
 from mooncake_server.config import ServerConfig
+from mooncake_server.failover import (
+    DIED,
+    ERROR,
+    ORDERED,
+    REFUSED,
+    STALLED,
+    FailoverStats,
+    InstanceLost,
+    LineFeed,
+    MoveOrdered,
+    check_interval,
+    least_loaded,
+    next_instance,
+    watch_call,
+)
 from mooncake_server.internal_http import secret_headers
 from mooncake_server.messages import (
     DecodeEvent,
     DecodeJob,
     ErrorEvent,
     InstanceInfo,
+    MigrateReply,
     PrefillJob,
     PrefillResult,
+    RunningRequest,
     StoreKeys,
     StoreLocation,
 )
 from mooncake_server.model_assets import served_name
 from mooncake_server.registry import InstanceRegistry
+from mooncake_server.scheduler.admission_client import release_decode_later, reserve_decode
 from mooncake_server.store.master import StoreMaster
 
 log = logging.getLogger(__name__)
 
 # Hashing this many tokens takes ~10 ms: above it, do it off the event loop.
 _KEYS_IN_THREAD_ABOVE = 100_000
+# Moves of one request after failures (moves an operator orders are not counted).
+_MAX_DECODE_FAILURES = 4
+_MAX_PREFILL_FAILURES = 3
 
 
 class Placement(NamedTuple):
@@ -101,6 +127,15 @@ class _Flow:
     store: StoreLocation
     result: PrefillResult | None = None
     tail_settled: bool = False  # the decode instance took the tail block, or we removed it
+    reserved_on: InstanceInfo | None = None  # decode instance holding room, until its job starts
+    # Failover (failover.py): output after the first token already passed on, moves so far,
+    # an ordered move and its target, decode instances that refused the request.
+    phase: str = "prefill"
+    delivered: list[int] = field(default_factory=list)
+    moves: int = 0
+    move: asyncio.Event = field(default_factory=asyncio.Event)
+    move_target: str | None = None
+    refused: set[str] = field(default_factory=set)
 
 
 def _peer_status(status: int) -> int:
@@ -146,11 +181,15 @@ class DisaggregatedBackend:
         self.store_master = store_master or StoreMaster(
             registry, config.store_replicas, config.cluster_secret)
         self._copy_tasks: set[asyncio.Task[int]] = set()
+        self._release_tasks: set[asyncio.Task[None]] = set()
         self._headers = secret_headers(config.cluster_secret)
         self.namespace = kv_namespace(
             served_name(config.model, config.served_model_name), config.dtype, config.block_tokens
         )
         self._timeout = httpx.Timeout(config.request_timeout_s, connect=5.0)
+        self.failover = FailoverStats()
+        self._flows: dict[str, _Flow] = {}
+        self._check_s = check_interval(config.heartbeat_timeout_s)
 
     def ready(self) -> bool:
         """True when at least one prefill, decode and store instance is alive."""
@@ -159,8 +198,10 @@ class DisaggregatedBackend:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """Prefill, then stream the decode instance's tokens."""
         flow = await self._place(request)
+        await self._reserve_decode(flow)
         try:
-            flow.result = await self._prefill(flow)
+            self._flows[request.request_id] = flow
+            flow.result = await self._prefill_resending(flow)
             first = flow.result.first_token
             sampling = request.sampling
             finish = None
@@ -179,6 +220,10 @@ class DisaggregatedBackend:
                 async for event in events:
                     yield event
         finally:
+            self._flows.pop(request.request_id, None)
+            if flow.reserved_on is not None:
+                release_decode_later(self._http, self._headers, flow.reserved_on,
+                                     request.request_id, self._release_tasks)
             if flow.result is not None and not flow.tail_settled:
                 await self._remove_tail(flow)
 
@@ -224,6 +269,22 @@ class DisaggregatedBackend:
                     return info
         return self._picker.pick_store(request, keys)
 
+    async def _reserve_decode(self, flow: _Flow) -> None:
+        """Decode admission before any prefill work: the planned decode instance (or the next
+        one the picker offers) holds room for the request; SLORejected (429) if none will."""
+        if flow.request.sampling.max_tokens <= 1:
+            return  # the first token, from prefill, is the last one
+        decode = await reserve_decode(self._http, self._headers, flow.request,
+                                      flow.placement.decode, self._registry,
+                                      getattr(self._picker, "repick_decode", None))
+        flow.placement = flow.placement._replace(decode=decode)
+        flow.reserved_on = decode
+
+    def _prefill_reuse(self, request: GenerateRequest) -> str:
+        """What the prefill may reuse (`PrefillJob.reuse`): the picker's call, else everything."""
+        reuse = getattr(self._picker, "prefill_reuse", None)
+        return reuse(request) if reuse is not None else "global"
+
     def _spawn_hot_copies(self, keys: list[str]) -> None:
         if not self.store_master.hot_plan(keys):
             return
@@ -235,7 +296,8 @@ class DisaggregatedBackend:
         prefill = flow.placement.prefill
         job = PrefillJob(request_id=flow.request.request_id,
                          prompt_token_ids=flow.request.prompt_token_ids, block_keys=flow.keys,
-                         sampling=flow.request.sampling, store=flow.store)
+                         sampling=flow.request.sampling, store=flow.store,
+                         reuse=self._prefill_reuse(flow.request))
         try:
             response = await self._http.post(
                 f"{prefill.url}/internal/prefill", content=job.model_dump_json(),
@@ -256,7 +318,37 @@ class DisaggregatedBackend:
                 f"prefill instance {prefill.instance_id} sent an invalid result", 502) from exc
 
     async def _decode(self, flow: _Flow) -> AsyncGenerator[TokenEvent, None]:
-        decode = flow.placement.decode
+        """Stream the decode tokens; move the request to another decode instance when its
+        instance dies, stalls, fails or refuses it, or an operator orders it."""
+        flow.phase = "decode"
+        failures = 0
+        while True:
+            decode = flow.placement.decode
+            try:
+                job = await self._decode_job(flow)
+                # NOTE: aclosing: the client leaving must close this stream now, not at GC.
+                async with aclosing(self._decode_on(flow, decode, job)) as events:
+                    async for event in events:
+                        yield event
+                return
+            except MoveOrdered:
+                reason, why = ORDERED, "moved on request"
+            except InstanceLost as exc:
+                reason, why = exc.reason, str(exc)
+                failures += 1
+                if exc.mark_down:
+                    self._registry.mark_down(decode.instance_id)
+                if reason in (REFUSED, ERROR):
+                    flow.refused.add(decode.instance_id)
+                log.warning("request %s lost decode instance %s (%s: %s)",
+                            flow.request.request_id, decode.instance_id, reason, exc)
+                if failures > _MAX_DECODE_FAILURES:
+                    raise BackendError(f"decoding failed on {failures} instances; last: {exc}",
+                                       503) from exc
+            await self._move_decode(flow, reason, why)
+
+    async def _decode_job(self, flow: _Flow) -> DecodeJob:
+        """The decode job; once output went out, a resume job from the client's last token."""
         result = flow.result
         if result is None:
             raise RuntimeError("decode before prefill")  # NOTE: a bug in this module
@@ -264,7 +356,46 @@ class DisaggregatedBackend:
                         prompt_token_ids=flow.request.prompt_token_ids,
                         first_token=result.first_token, block_keys=flow.keys,
                         tail_key=result.tail_key, block_checksums=result.block_checksums,
-                        sampling=flow.request.sampling, store=flow.store)
+                        sampling=flow.request.sampling, store=flow.store,
+                        kv_namespace=self.namespace)
+        if not flow.delivered:
+            return job
+        prompt = flow.request.prompt_token_ids
+        # Every full block of the tokens whose KV the last instance computed (all but the
+        # newest token): it wrote them back as they filled.
+        computed = [*prompt, result.first_token, *flow.delivered[:-1]]
+        bt = self._config.block_tokens
+        if len(computed) > _KEYS_IN_THREAD_ABOVE:
+            keys = await asyncio.to_thread(block_keys, computed, bt, self.namespace)
+        else:
+            keys = block_keys(computed, bt, self.namespace)
+        return job.model_copy(update={
+            "block_keys": keys, "tail_key": None,
+            "block_checksums": result.block_checksums[:len(prompt) // bt],
+            "generated_token_ids": list(flow.delivered)})
+
+    async def _decode_on(self, flow: _Flow, decode: InstanceInfo,
+                         job: DecodeJob) -> AsyncGenerator[TokenEvent, None]:
+        """One decode instance's stream; InstanceLost / MoveOrdered end it early."""
+        where = f"decode instance {decode.instance_id}"
+        alive = partial(self._registry.is_alive, decode.instance_id)
+        feed = LineFeed(partial(self._read_decode, flow, decode, job))
+        try:
+            while (line := await feed.next(alive, flow.move, self._check_s)) is not None:
+                event = self._next_event(flow, line, where)
+                if event is None:
+                    continue
+                flow.delivered.append(event.token_id)
+                yield TokenEvent(event.token_id, event.finish_reason)
+                if event.finish_reason is not None:
+                    return
+        finally:
+            await feed.aclose()
+        raise InstanceLost(f"{where} ended the stream without a final token", DIED, False)
+
+    async def _read_decode(self, flow: _Flow, decode: InstanceInfo, job: DecodeJob,
+                           emit: Callable[[str], None]) -> None:
+        """POST the job and emit the stream's lines (runs in the LineFeed's own task)."""
         where = f"decode instance {decode.instance_id}"
         try:
             async with self._http.stream(
@@ -274,20 +405,134 @@ class DisaggregatedBackend:
             ) as response:
                 if not response.is_success:
                     await response.aread()
+                    if response.status_code == 503:
+                        raise InstanceLost(f"{where} refused: {_peer_message(response)}",
+                                           REFUSED, False)
                     raise BackendError(f"{where} failed: {_peer_message(response)}",
                                        _peer_status(response.status_code))
                 flow.tail_settled = True  # decode accepted the job: its tail is decode's now
+                flow.reserved_on = None  # and the job claimed the reservation
                 async for line in response.aiter_lines():
-                    if not line.strip():
-                        continue
-                    event = self._parse_line(line, where)
-                    yield TokenEvent(event.token_id, event.finish_reason)
-                    if event.finish_reason is not None:
-                        return
+                    emit(line)
         except httpx.TransportError as exc:
-            self._registry.mark_down(decode.instance_id)
-            raise BackendError(f"{where} failed mid-stream: {exc!r}", 503) from exc
-        raise BackendError(f"{where} ended the stream without a final token", 502)
+            raise InstanceLost(f"{where} failed mid-stream: {exc!r}", DIED, True) from exc
+
+    def _next_event(self, flow: _Flow, line: str, where: str) -> DecodeEvent | None:
+        """The stream line's token, None for a blank line or a token the client already has;
+        an error line raises InstanceLost (the request moves on)."""
+        if not line.strip():
+            return None
+        try:
+            event = self._parse_line(line, where)
+        except BackendError as exc:
+            if exc.status != 503:
+                raise
+            raise InstanceLost(str(exc), ERROR, False) from exc  # an error event
+        expected = 1 + len(flow.delivered)
+        if event.index is not None and event.index < expected:
+            self.failover.duplicates_dropped += 1  # a moved request repeating itself
+            return None
+        if event.index is not None and event.index > expected:
+            raise BackendError(f"{where} skipped output tokens {expected}..{event.index - 1}",
+                               502)
+        return event
+
+    async def _move_decode(self, flow: _Flow, reason: str, why: str) -> None:
+        """Point the flow at the next decode instance: the ordered target, else the least
+        loaded live one (after a death, waiting up to --failover-wait for one to register)."""
+        source = flow.placement.decode.instance_id
+        target, flow.move_target = flow.move_target, None
+        flow.move.clear()
+        info = None
+        if reason == ORDERED and target is not None and self._registry.is_alive(target):
+            info = self._registry.get(target)
+        if info is None:
+            exclude = flow.refused | ({source} if reason == ORDERED else set())
+            wait = self._config.failover_wait_s if reason in (DIED, STALLED) else 0.0
+            info = await next_instance(self._registry, "decode", exclude, wait)
+        if info is None:
+            raise BackendError(f"{why}; no other decode instance is alive", 503)
+        self.failover.moved("decode", reason)
+        flow.moves += 1
+        # The scheduler's ledger follows the request (its load and token gaps count there now).
+        tracker = getattr(self._picker, "tracker", None)
+        if hasattr(tracker, "move_decode"):
+            tracker.move_decode(flow.request.request_id, info.instance_id)
+        log.info("request %s moves from decode instance %s to %s (%s) after %d tokens",
+                 flow.request.request_id, source, info.instance_id, reason,
+                 1 + len(flow.delivered))
+        flow.placement = flow.placement._replace(decode=info)
+
+    async def _prefill_resending(self, flow: _Flow) -> PrefillResult:
+        """`_prefill`, re-sent to another prefill instance when the one running it dies,
+        stalls or fails it."""
+        failures = 0
+        shunned: set[str] = set()
+        while True:
+            prefill = flow.placement.prefill
+            try:
+                return await watch_call(self._prefill(flow),
+                                        partial(self._registry.is_alive, prefill.instance_id),
+                                        self._check_s)
+            except InstanceLost as exc:
+                self._registry.mark_down(prefill.instance_id)
+                reason, error = exc.reason, BackendError(str(exc), 503)
+            except BackendError as exc:
+                if exc.status not in (502, 503):
+                    raise  # a problem with the request itself: another instance won't help
+                # _prefill marks an unreachable instance down; one that answered with an
+                # error is only avoided for this request.
+                died = not self._registry.is_alive(prefill.instance_id)
+                reason, error = (DIED if died else ERROR), exc
+                if not died:
+                    shunned.add(prefill.instance_id)
+            failures += 1
+            log.warning("request %s: prefill on %s failed (%s): %s", flow.request.request_id,
+                        prefill.instance_id, reason, error)
+            if failures > _MAX_PREFILL_FAILURES:
+                raise error
+            wait = self._config.failover_wait_s if reason in (DIED, STALLED) else 0.0
+            info = await next_instance(self._registry, "prefill", shunned, wait)
+            if info is None:
+                raise error
+            self.failover.moved("prefill", reason)
+            flow.moves += 1
+            flow.placement = flow.placement._replace(prefill=info)
+
+    def running(self) -> list[RunningRequest]:
+        """Requests in flight and the instance serving each."""
+        out = []
+        for rid, flow in list(self._flows.items()):
+            on = flow.placement.decode if flow.phase == "decode" else flow.placement.prefill
+            out.append(RunningRequest(
+                request_id=rid, phase=flow.phase, instance_id=on.instance_id,
+                tokens=len(flow.delivered) + (flow.result is not None), moves=flow.moves))
+        return out
+
+    def migrate(self, request_id: str, target: str | None) -> MigrateReply:
+        """Order a decoding request to move (to `target`, else the least loaded other decode
+        instance); it leaves at its next token. LookupError / ValueError if it cannot."""
+        flow = self._flows.get(request_id)
+        if flow is None:
+            raise LookupError(f"no request {request_id} in flight")
+        if flow.phase != "decode":
+            raise ValueError(f"request {request_id} is not decoding yet")
+        source = flow.placement.decode.instance_id
+        if target is not None:
+            live = {i.instance_id: i for i in self._registry.alive("decode")}
+            if target == source:
+                raise ValueError(f"request {request_id} already runs on {target}")
+            if target not in live:
+                raise ValueError(f"{target} is not a live decode instance")
+            info = live[target]
+        else:
+            found = least_loaded(self._registry, "decode", {source})
+            if found is None:
+                raise ValueError("no other live decode instance to move to")
+            info = found
+        flow.move_target = info.instance_id
+        flow.move.set()
+        return MigrateReply(request_id=request_id, source=source, target=info.instance_id)
 
     @staticmethod
     def _parse_line(line: str, where: str) -> DecodeEvent:

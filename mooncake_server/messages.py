@@ -5,6 +5,8 @@ Bulk KV bytes never travel in these messages: they move through the transfer eng
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 # NOTE: every internal HTTP request carries the cluster secret in this header.
@@ -72,6 +74,10 @@ class PrefillJob(BaseModel):
     block_keys: list[str]  # chained keys of the prompt's full blocks
     sampling: SamplingParams
     store: StoreLocation
+    # Which cached prefix the instance may reuse (the conductor's policy decides):
+    # "local" = only blocks in its own paged pool, "global" = also fetch the rest of the cached
+    # prefix from the store, "none" = compute every token.
+    reuse: Literal["local", "global", "none"] = "global"
 
 
 class PrefillResult(BaseModel):
@@ -83,6 +89,25 @@ class PrefillResult(BaseModel):
     tail_key: str | None  # store key of the partial last block (None if the prompt fills blocks)
     block_checksums: list[int]  # CRC32C of each full block, then the tail, in key order
     prefill_seconds: float
+    local_cached_tokens: int = 0  # of cached_tokens, those found in the instance's own cache
+
+
+class PrefillCacheReport(BaseModel):
+    """A prefill instance's local prefix cache: changes since its last report, or everything."""
+
+    instance_id: str
+    epoch: str  # new each time the instance starts: its old state is void
+    seq: int = Field(ge=0)
+    snapshot: bool = False
+    added: list[str] = Field(default_factory=list)
+    removed: list[str] = Field(default_factory=list)
+
+
+class PrefillCacheReportReply(BaseModel):
+    """resync = the conductor does not know this epoch (or missed a report): send a snapshot."""
+
+    accepted: bool
+    resync: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,6 +125,31 @@ class DecodeJob(BaseModel):
     block_checksums: list[int]
     sampling: SamplingParams
     store: StoreLocation
+    # A moved request (migration): output tokens after `first_token` the client already has;
+    # `block_keys` then names every full block of the computed tokens, not only the prompt's.
+    generated_token_ids: list[int] = Field(default_factory=list)
+    # Namespace of the chained keys, so the decode instance can key the blocks it writes back.
+    kv_namespace: str | None = None
+
+
+class DecodeReserve(BaseModel):
+    """Ask a decode instance, before prefill starts, to hold room for a request (admission)."""
+
+    request_id: str
+    prompt_tokens: int = Field(ge=0)
+    max_tokens: int = Field(ge=1)
+
+
+class DecodeReserveReply(BaseModel):
+    """The request is admitted; its decode job must arrive within `ttl_s`."""
+
+    ttl_s: float
+
+
+class DecodeRelease(BaseModel):
+    """Drop a reservation whose decode job will not come (the request ended at prefill)."""
+
+    request_id: str
 
 
 class DecodeEvent(BaseModel):
@@ -108,6 +158,9 @@ class DecodeEvent(BaseModel):
     token_id: int
     finish_reason: str | None = None  # "stop" (EOS) | "length"
     batch_size: int = 1  # size of the forward pass that produced it
+    # Position of the token in the output (the prefill's first token is 0): the conductor drops
+    # a token it already passed on, so a moved request never repeats one.
+    index: int | None = None
 
 
 class ErrorEvent(BaseModel):
@@ -219,12 +272,48 @@ class InstanceStatus(BaseModel):
     alive: bool
     seconds_since_heartbeat: float
     load: Heartbeat | None = None
+    draining: bool = False  # finishing its work after SIGTERM: never picked for new work
 
 
 class Deregister(BaseModel):
     """An instance leaving on purpose (graceful shutdown): stop routing to it now."""
 
     instance_id: str
+
+
+class Drain(BaseModel):
+    """An instance got SIGTERM: send it no new work; it finishes what it runs, then leaves."""
+
+    instance_id: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Request migration (operators / policies -> conductor)
+
+
+class MigrateRequest(BaseModel):
+    """Move a decoding request to another decode instance (`target`, or the least loaded)."""
+
+    request_id: str
+    target: str | None = None
+
+
+class MigrateReply(BaseModel):
+    """The move was ordered: the request leaves `source` for `target` at its next token."""
+
+    request_id: str
+    source: str
+    target: str
+
+
+class RunningRequest(BaseModel):
+    """A request the conductor is serving (GET /internal/requests)."""
+
+    request_id: str
+    phase: str  # "prefill" | "decode"
+    instance_id: str  # the prefill or decode instance serving it now
+    tokens: int  # output tokens passed to the client so far
+    moves: int  # times it moved to another instance (failures and migrations)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 An instance, as the conductor sees it: registered -> alive (a heartbeat at least every
 `heartbeat_timeout_s`) -> stale (kept, never picked; a heartbeat revives it) -> forgotten after
 `forget_after_s` -> its next heartbeat gets 404 and its Registrar registers again. The same 404
-path makes every instance re-register after a conductor restart.
+path makes every instance re-register after a conductor restart. An instance that got SIGTERM
+says so (POST /internal/drain): draining, it keeps heartbeating and finishing its work but is
+never picked again; it deregisters when done (a restart registers it afresh).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import httpx
 from fastapi import APIRouter, Depends, HTTPException
 
 from mooncake_server.internal_http import require_secret, secret_headers
-from mooncake_server.messages import Deregister, Heartbeat, InstanceInfo, InstanceStatus
+from mooncake_server.messages import Deregister, Drain, Heartbeat, InstanceInfo, InstanceStatus
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ class _Entry:
     info: InstanceInfo
     last_seen: float
     load: Heartbeat | None = None
+    draining: bool = False
 
 
 class InstanceRegistry:
@@ -79,6 +82,21 @@ class InstanceRegistry:
             log.info("deregistered %s instance %s", entry.info.role, instance_id)
         return entry is not None
 
+    def drain(self, instance_id: str) -> bool:
+        """Pick an instance no more while it finishes its work; False if it is unknown."""
+        entry = self._entries.get(instance_id)
+        if entry is None:
+            return False
+        if not entry.draining:
+            entry.draining = True
+            log.info("%s instance %s is draining", entry.info.role, instance_id)
+        return True
+
+    def is_alive(self, instance_id: str) -> bool:
+        """True while the instance heartbeats (draining or not): its running work goes on."""
+        entry = self._entries.get(instance_id)
+        return entry is not None and self._is_alive(entry, self._clock())
+
     def mark_down(self, instance_id: str) -> None:
         """Stop picking an instance that just failed, until its next heartbeat."""
         entry = self._entries.get(instance_id)
@@ -100,10 +118,10 @@ class InstanceRegistry:
         return now - entry.last_seen <= self.heartbeat_timeout_s
 
     def alive(self, role: str) -> list[InstanceInfo]:
-        """Alive instances of `role`, in a stable order (by instance id)."""
+        """Alive instances of `role` that take new work (not draining), ordered by id."""
         now = self._clock()
         found = [e.info for e in self._entries.values()
-                 if e.info.role == role and self._is_alive(e, now)]
+                 if e.info.role == role and not e.draining and self._is_alive(e, now)]
         return sorted(found, key=lambda info: info.instance_id)
 
     def pick(self, role: str) -> InstanceInfo | None:
@@ -128,6 +146,7 @@ class InstanceRegistry:
                 alive=self._is_alive(e, now),
                 seconds_since_heartbeat=now - e.last_seen if math.isfinite(e.last_seen) else -1.0,
                 load=e.load,
+                draining=e.draining,
             )
             for e in sorted(self._entries.values(), key=lambda e: e.info.instance_id)
         ]
@@ -146,7 +165,7 @@ class InstanceRegistry:
 
 
 def registry_router(registry: InstanceRegistry, secret: str) -> APIRouter:
-    """Routes: POST /internal/{register,heartbeat,deregister}, GET /internal/instances."""
+    """Routes: POST /internal/{register,heartbeat,drain,deregister}, GET /internal/instances."""
     router = APIRouter(prefix="/internal", dependencies=[Depends(require_secret(secret))])
 
     @router.post("/register")
@@ -167,6 +186,11 @@ def registry_router(registry: InstanceRegistry, secret: str) -> APIRouter:
         if not registry.heartbeat(beat):
             raise HTTPException(status_code=404, detail=f"unknown instance {beat.instance_id}")
         return {"ok": True}
+
+    @router.post("/drain")
+    async def drain(body: Drain) -> dict[str, bool]:
+        """An instance got SIGTERM: route nothing new to it."""
+        return {"ok": registry.drain(body.instance_id)}
 
     @router.post("/deregister")
     async def deregister(body: Deregister) -> dict[str, bool]:
@@ -238,6 +262,19 @@ class Registrar:
         if self._own_http:
             await self._http.aclose()
             self._http = None
+
+    async def drain(self) -> bool:
+        """Tell the conductor to send nothing new here (SIGTERM); heartbeats go on."""
+        if self._http is None:
+            return False
+        try:
+            r = await self._http.post(
+                f"{self.conductor_url}/internal/drain", headers=self._headers, timeout=2.0,
+                json=Drain(instance_id=self.info.instance_id).model_dump(mode="json"))
+        except httpx.HTTPError as exc:
+            log.warning("drain notice of %s failed: %s", self.info.instance_id, exc)
+            return False
+        return r.is_success
 
     async def _post(self, path: str, body: dict[str, object]) -> httpx.Response:
         if self._http is None:

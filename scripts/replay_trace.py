@@ -296,8 +296,13 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], want: dict[str
 
 @contextmanager
 def launch(spec: str, server_args: list[str], conductor_args: list[str],
-           log_dir: Path) -> Iterator[Launched]:
-    """Start configuration `spec` on free ports; stop it on exit."""
+           log_dir: Path, prefill_args: Sequence[str] = (),
+           decode_args: Sequence[str] = (), store_memory: str = "1GiB") -> Iterator[Launched]:
+    """Start configuration `spec` on free ports; stop it on exit.
+
+    `prefill_args` / `decode_args` go to those roles only (`all`: to every role; `colocated`:
+    prefill_args, its engine prefills).
+    """
     from mooncake_server.launcher import free_port_block
 
     secret = secrets.token_hex(16)
@@ -311,7 +316,9 @@ def launch(spec: str, server_args: list[str], conductor_args: list[str],
         common += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // engines))]
     if spec in ("colocated", "all"):
         port = free_port_block(6)
-        argvs = [[*py, "--role", spec, "--port", str(port), "--memory", "1GiB", *common]]
+        extra = [*prefill_args] if spec == "colocated" else [*conductor_args, *decode_args]
+        argvs = [[*py, "--role", spec, "--port", str(port), "--memory", store_memory, *common,
+                  *extra]]
         prefill_urls = [f"http://127.0.0.1:{port + 2}"] if spec == "all" else []
         want = {"prefill": 1, "decode": 1} if spec == "all" else {}
     elif m:
@@ -320,13 +327,14 @@ def launch(spec: str, server_args: list[str], conductor_args: list[str],
         conductor = f"http://127.0.0.1:{port}"
         argvs = [[*py, "--role", "conductor", "--port", str(port), *server_args,
                   *conductor_args, *(["--policy", policy] if policy else [])],
-                 [*py, "--role", "store", "--port", str(port + 1), "--memory", "1GiB",
+                 [*py, "--role", "store", "--port", str(port + 1), "--memory", store_memory,
                   "--conductor-url", conductor, *server_args]]
         prefill_urls = []
         for i in range(n_p + n_d):
             role = "prefill" if i < n_p else "decode"
             argvs.append([*py, "--role", role, "--port", str(port + 2 + i), "--conductor-url",
-                          conductor, "--instance-id", f"{role}-{i}", *common])
+                          conductor, "--instance-id", f"{role}-{i}", *common,
+                          *(prefill_args if role == "prefill" else decode_args)])
             if role == "prefill":
                 prefill_urls.append(f"http://127.0.0.1:{port + 2 + i}")
         want = {"prefill": n_p, "decode": n_d, "store": 1}
@@ -457,6 +465,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for every launched server process (repeat; e.g. "
                         "--server-arg=--torch-threads=1)")
+    p.add_argument("--prefill-arg", action="append", default=[],
+                   help="extra flag for launched prefill instances only (repeat; e.g. "
+                        "--prefill-arg=--kv-memory=256MiB for small local prefix caches)")
+    p.add_argument("--store-memory", default="1GiB", help="launched store's DRAM pool")
     p.add_argument("--token-range", type=int, nargs=2, default=[1000, 40000],
                    metavar=("LO", "HI"), help="token ids to draw prompts from")
     p.add_argument("--seed", type=int, default=0)
@@ -477,11 +489,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     results: dict[str, Summary] = {}
     if args.launch:
         conductor_args = ["--profile", args.profile] if args.profile else []
+        decode_args = []
         if args.early_reject:
             conductor_args += ["--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo)]
+            # Decode admission control refuses what would break the TBT SLO.
+            decode_args = ["--tbt-slo", str(args.tbt_slo)]
         for spec in [s.strip() for s in args.launch.split(",") if s.strip()]:
             print(f"launching {spec} ...", flush=True)
-            with launch(spec, args.server_arg, conductor_args, Path(args.logs)) as cluster:
+            with launch(spec, args.server_arg, conductor_args, Path(args.logs),
+                        args.prefill_arg, decode_args, args.store_memory) as cluster:
                 results[spec] = run_one(cluster.url, args, trace, cluster)
             print(f"  {spec}: done in {results[spec].wall_s:.0f} s", flush=True)
     else:

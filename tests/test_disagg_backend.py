@@ -106,7 +106,8 @@ def peers() -> Peers:
 
 @pytest.fixture
 async def backend(registry: InstanceRegistry, peers: Peers) -> AsyncIterator[DisaggregatedBackend]:
-    config = ServerConfig(role="conductor", block_tokens=4, cluster_secret=SECRET)
+    config = ServerConfig(role="conductor", block_tokens=4, cluster_secret=SECRET,
+                          failover_wait_s=0.5)
     async with httpx.AsyncClient(transport=peers) as http:
         yield DisaggregatedBackend(config, registry, http)
 
@@ -226,7 +227,8 @@ async def test_unreachable_prefill_is_marked_down(registry: InstanceRegistry) ->
     def refuse(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("connection refused", request=request)
 
-    config = ServerConfig(role="conductor", block_tokens=4)
+    # NOTE: the conductor waits --failover-wait for another prefill instance before failing.
+    config = ServerConfig(role="conductor", block_tokens=4, failover_wait_s=0.5)
     async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as http:
         backend = DisaggregatedBackend(config, registry, http)
         with pytest.raises(BackendError, match="unreachable") as info:

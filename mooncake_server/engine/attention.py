@@ -7,6 +7,7 @@ write the new K/V into their cache slots and attend each sequence's queries over
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,9 @@ class PagedContext:
     block_tokens: int
     slot_rows: torch.Tensor  # [T] long: pool row of each new token's layer-0 K
     seqs: list[SeqSlice]
+    # Called with the layer index once that layer's new K/V are in the pool (layer-wise KV
+    # streaming); runs on the forward thread, so it must only queue work, never wait.
+    on_layer: Callable[[int], None] | None = None
 
 
 def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor | None:
@@ -72,6 +76,8 @@ def paged_attention_forward(
     rows.index_copy_(0, paged_ctx.slot_rows + k_off, key[0].transpose(0, 1).reshape(-1, rows.shape[1]))
     rows.index_copy_(0, paged_ctx.slot_rows + v_off,
                      value[0].transpose(0, 1).reshape(-1, rows.shape[1]))
+    if paged_ctx.on_layer is not None:
+        paged_ctx.on_layer(module.layer_idx)  # type: ignore[attr-defined, arg-type]
 
     outputs = []
     for s in paged_ctx.seqs:

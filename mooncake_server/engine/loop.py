@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -18,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
 from mooncake_server.engine.sampler import sample_token
-from mooncake_server.engine.sequence import Sequence, SeqStatus
+from mooncake_server.engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._max_seen = 0
+        # Told every pure decode step (batch, context tokens, seconds): admission calibration.
+        self.step_observer: Callable[[int, int, float], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -107,8 +111,10 @@ class EngineLoop:
             ids = {it.seq.request_id for it in items}
             self._inflight |= ids
             try:
+                began = time.perf_counter()
                 with self.metrics.step_seconds.time():
                     logits = await loop.run_in_executor(self.executor, self.runner.step, items)
+                self._observe(items, time.perf_counter() - began)
             except Exception as exc:  # a failed forward fails its batch, not the server
                 log.exception("forward pass failed")
                 self._inflight -= ids
@@ -117,6 +123,11 @@ class EngineLoop:
                 continue
             self._inflight -= ids
             self._postprocess(items, logits)
+
+    def _observe(self, items: list[StepItem], seconds: float) -> None:
+        if self.step_observer is not None and all(it.num_new == 1 for it in items):
+            context = sum(it.seq.num_computed + 1 for it in items)
+            self.step_observer(len(items), context, seconds)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -54,10 +55,12 @@ class ModelRunner:
         self.layout: KVLayout = kv.layout
 
     @torch.inference_mode()
-    def step(self, items: Seq[StepItem]) -> torch.Tensor:
+    def step(self, items: Seq[StepItem],
+             on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """One packed forward pass; returns float32 logits [len(items), vocab] of each item's last token.
 
         Every item's `seq.block_ids` must already cover `num_computed + num_new` tokens.
+        `on_layer(l)` is called as soon as layer l's new K/V are written to the pool.
         """
         bt = self.layout.block_tokens
         block_rows = self.layout.num_layers * 2 * bt  # pool rows per block
@@ -80,7 +83,7 @@ class ModelRunner:
             input_ids.extend(s.token_ids[start:end])
             positions.extend(range(start, end))
         ctx = PagedContext(pool_rows=self.kv.pool_rows, block_tokens=bt,
-                           slot_rows=torch.cat(slot_rows), seqs=slices)
+                           slot_rows=torch.cat(slot_rows), seqs=slices, on_layer=on_layer)
         last_rows = torch.tensor([sl.q_start + sl.q_len - 1 for sl in slices], dtype=torch.long)
         out = self.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long),

@@ -52,8 +52,13 @@ def child_argv(config: ServerConfig, role: str, model: str) -> list[str]:
                  "--prefill-chunk", str(config.prefill_chunk_tokens)]
         if config.torch_threads:
             argv += ["--torch-threads", str(config.torch_threads)]
+    if role == "prefill":
+        argv += ["--kv-write", config.kv_write]
     if role == "conductor":
         argv += ["--replicas", str(config.store_replicas)] + _api_limit_argv(config)
+        argv += ["--policy", config.policy]
+    if role in ("conductor", "decode"):
+        argv += _slo_argv(config)  # decode admission control checks the TBT SLO too
     if role == "store":
         argv += ["--memory", str(config.store_memory_bytes),
                  "--high-watermark", str(config.store_high_watermark),
@@ -61,6 +66,18 @@ def child_argv(config: ServerConfig, role: str, model: str) -> list[str]:
                  "--demote-after", str(config.store_demote_after_s)]
         if config.store_ssd_dir:
             argv += ["--ssd-dir", config.store_ssd_dir]
+    return argv
+
+
+def _slo_argv(config: ServerConfig) -> list[str]:
+    """The SLOs and the cost model (the conductor's scheduler, decode's admission control)."""
+    argv: list[str] = []
+    if config.ttft_slo_s is not None:
+        argv += ["--ttft-slo", str(config.ttft_slo_s)]
+    if config.tbt_slo_s is not None:
+        argv += ["--tbt-slo", str(config.tbt_slo_s)]
+    if config.profile_path:
+        argv += ["--profile", os.path.abspath(config.profile_path)]
     return argv
 
 

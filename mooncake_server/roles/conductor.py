@@ -25,16 +25,23 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mooncake_server.api.errors import install_error_handlers
-from mooncake_server.api.metrics import ApiMetrics
 from mooncake_server.api.limits import RequestLimits
+from mooncake_server.api.metrics import ApiMetrics
 from mooncake_server.api.openai_app import create_api_router, install_api_guard
 from mooncake_server.api.prompts import load_eos_token_ids
 from mooncake_server.config import ServerConfig
 from mooncake_server.disagg_backend import DisaggregatedBackend
+from mooncake_server.failover import (
+    FailoverCollector,
+    Migrating,
+    failover_router,
+    find_migrating,
+)
 from mooncake_server.internal_http import metrics_response
 from mooncake_server.model_assets import resolve_model, served_name
 from mooncake_server.registry import INSTANCE_ROLES, InstanceRegistry, registry_router
 from mooncake_server.scheduler import ScheduledBackend, build_scheduler, load_perf_model
+from mooncake_server.scheduler.local_index import LocalCacheIndex, local_cache_router
 from mooncake_server.scheduler.metrics import SchedulerCollector
 from mooncake_server.store.master import MasterCollector, StoreMaster, master_router
 
@@ -86,7 +93,9 @@ def build_app(config: ServerConfig) -> FastAPI:
     store_master = StoreMaster(registry, config.store_replicas, config.cluster_secret)
     prom.register(MasterCollector(store_master))
     # Algorithm 1 (--policy, --ttft-slo, --tbt-slo); a bad --profile fails here, at start-up.
-    scheduler = build_scheduler(config, registry, store_master)
+    # Prefill instances report their own prefix caches here (per-instance hits for Algorithm 1).
+    local_caches = LocalCacheIndex()
+    scheduler = build_scheduler(config, registry, store_master, local=local_caches)
     prom.register(SchedulerCollector(scheduler))
     api_metrics = ApiMetrics(prom)
     model_name = served_name(config.model, config.served_model_name)
@@ -129,8 +138,15 @@ def build_app(config: ServerConfig) -> FastAPI:
                       max_body_bytes=limits.max_body_bytes)
     app.state.registry = registry
     app.include_router(registry_router(registry, config.cluster_secret))
+    # Request moves (decode migration, prefill re-sends): /internal/{migrate,requests}, metrics.
+    def migrating() -> Migrating | None:
+        return find_migrating(getattr(app.state, "backend", None))
+
+    app.include_router(failover_router(migrating, config.cluster_secret))
+    prom.register(FailoverCollector(migrating))
     app.state.store_master = store_master
     app.include_router(master_router(store_master, config.cluster_secret))
+    app.include_router(local_cache_router(local_caches, config.cluster_secret))
 
     @app.get("/health")
     async def health() -> Response:

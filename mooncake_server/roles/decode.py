@@ -7,6 +7,14 @@ A request walks, in order:
   (one token per step, sharing forward passes with every other running request) -> finished; each
   token is streamed back to the conductor as one NDJSON line. A closed stream cancels the request and
   frees its blocks.
+A request moved here from another decode instance (its job carries the output so far) loads every
+full block of its computed tokens the store holds and recomputes the rest before its next token.
+Every block that fills is written back to the store under its chained key (engine/writeback.py),
+so a moved request or a follow-up turn finds it. SIGTERM drains: the conductor is told to send
+nothing new, running streams finish (at most --drain-timeout), then the process exits.
+Admission control (scheduler/admission.py): the conductor reserves room before the prefill
+(POST /internal/decode/reserve); the decode job claims it; the stream's end releases it. A request
+the KV memory or predicted TBT cannot take is refused with 503.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException
@@ -23,15 +32,28 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 
 from mooncake_server.config import ServerConfig
+from mooncake_server.drain import wait_until_idle
 from mooncake_server.engine.factory import build_runner
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.kv_io import KVStoreLink
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
-from mooncake_server.engine.sequence import Sequence
+from mooncake_server.engine.sequence import SeqStatus, Sequence
+from mooncake_server.engine.writeback import BlockWriteBack, WriteBackLoop, WriteBackMetrics
 from mooncake_server.internal_http import metrics_response, require_secret
-from mooncake_server.messages import DecodeEvent, DecodeJob, ErrorEvent, Heartbeat, InstanceInfo
+from mooncake_server.messages import (
+    DecodeEvent,
+    DecodeJob,
+    DecodeRelease,
+    DecodeReserve,
+    DecodeReserveReply,
+    ErrorEvent,
+    Heartbeat,
+    InstanceInfo,
+)
 from mooncake_server.registry import Registrar
 from mooncake_server.roles.common import instance_id, internal_client, make_transfer_engine
+from mooncake_server.scheduler import load_perf_model
+from mooncake_server.scheduler.admission import AdmissionRefused, DecodeAdmission
 from mooncake_server.store.client import StoreError
 from mooncake_server.transfer import TransferError
 
@@ -54,16 +76,41 @@ class DecodeService:
         self.failures = failures
         self.verified = verified
         self.recomputed = recomputed
+        self.admission: DecodeAdmission | None = None
+        self.writeback: BlockWriteBack | None = None
+        self.streams = 0  # token streams open (a drain waits for them)
+
+    def _claim(self, job: DecodeJob) -> None:
+        """Admission: take over the job's reservation or admit it now (AdmissionRefused)."""
+        if self.admission is not None:
+            self.admission.claim(job.request_id, len(job.prompt_token_ids),
+                                 job.sampling.max_tokens)
+
+    def _release(self, request_id: str) -> None:
+        if self.admission is not None:
+            self.admission.release(request_id)
 
     async def admit(self, job: DecodeJob) -> Sequence:
-        """Load the job's KV and queue it; raises KVLoadError or OutOfBlocks."""
+        """Load the job's KV and queue it; raises AdmissionRefused, KVLoadError or OutOfBlocks."""
+        self._claim(job)
+        try:
+            seq = await self._load_and_submit(job)
+        except BaseException:
+            self._release(job.request_id)
+            raise
+        if self.admission is not None:
+            self.admission.bind(job.request_id, lambda: seq.status is SeqStatus.FINISHED)
+        return seq
+
+    async def _load_and_submit(self, job: DecodeJob) -> Sequence:
         bt = self.kv.layout.block_tokens
         n = len(job.prompt_token_ids)
-        seq = Sequence(job.request_id, [*job.prompt_token_ids, job.first_token], n, job.sampling,
-                       self.max_model_len)
-        seq.block_ids = self.kv.allocate(self.kv.layout.blocks_for(n))
+        tokens = [*job.prompt_token_ids, job.first_token, *job.generated_token_ids]
+        m = len(tokens) - 1  # tokens whose KV must be cached before the next token (n, unless moved)
+        seq = Sequence(job.request_id, tokens, n, job.sampling, self.max_model_len)
+        seq.block_ids = self.kv.allocate(self.kv.layout.blocks_for(m))
         try:
-            keys = job.block_keys[:n // bt] + ([job.tail_key] if job.tail_key else [])
+            keys = job.block_keys[:m // bt] + ([job.tail_key] if job.tail_key else [])
             try:
                 got = await self.link.load(keys, seq.block_ids)
             except StoreError as exc:
@@ -84,11 +131,24 @@ class DecodeService:
             asyncio.create_task(self._drop_tail(job))
         # NOTE: blocks the store lost (a dead node without replicas, a refused put) are
         # recomputed by the engine loop as prompt chunks before the next token: never a failure.
-        seq.num_computed = min(got * bt, n)
+        seq.num_computed = min(got * bt, m)
         if got < len(keys):
-            self.recomputed.inc(n - seq.num_computed)
+            self.recomputed.inc(m - seq.num_computed)
+        self._track(job, seq, min(got, m // bt))
         self.loop.submit(seq)
         return seq
+
+    def _track(self, job: DecodeJob, seq: Sequence, stored: int) -> None:
+        """Write back the blocks that fill from here on; count a moved-in request's loaded KV."""
+        if self.writeback is None:
+            return
+        if job.generated_token_ids:
+            self.writeback.metrics.moved_in.inc()
+            self.writeback.metrics.moved_in_loaded.inc(seq.num_computed)
+        if job.kv_namespace is not None:
+            bt = self.kv.layout.block_tokens
+            self.writeback.track(seq, job.kv_namespace,
+                                 job.block_keys[:(len(seq.token_ids) - 1) // bt], stored)
 
     async def _drop_tail(self, job: DecodeJob) -> None:
         try:
@@ -96,8 +156,11 @@ class DecodeService:
         except Exception as exc:  # the store's LRU reclaims it anyway
             log.warning("could not remove tail block %s: %s", job.tail_key, exc)
 
-    async def stream(self, seq: Sequence) -> AsyncIterator[bytes]:
-        """NDJSON lines of DecodeEvent / ErrorEvent until the sequence finishes."""
+    async def stream(self, seq: Sequence, first_index: int = 1) -> AsyncIterator[bytes]:
+        """NDJSON lines of DecodeEvent / ErrorEvent until the sequence finishes; the first
+        token streamed is output token `first_index`."""
+        index = first_index
+        self.streams += 1
         try:
             while True:
                 ev = await seq.events.get()
@@ -107,10 +170,13 @@ class DecodeService:
                         yield ErrorEvent(error=seq.error).model_dump_json().encode() + b"\n"
                     return
                 token, reason, batch = ev
-                yield DecodeEvent(token_id=token, finish_reason=reason,
-                                  batch_size=batch).model_dump_json().encode() + b"\n"
+                yield DecodeEvent(token_id=token, finish_reason=reason, batch_size=batch,
+                                  index=index).model_dump_json().encode() + b"\n"
+                index += 1
         finally:
+            self.streams -= 1
             self.loop.cancel(seq)  # no-op if finished; frees blocks if the client went away
+            self._release(seq.request_id)
 
 
 def build_app(config: ServerConfig) -> FastAPI:
@@ -125,6 +191,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     recomputed = Counter("mooncake_decode_recomputed_tokens",
                          "Prompt tokens whose KV the store no longer held, recomputed here",
                          registry=registry)
+    writeback_metrics = WriteBackMetrics(registry)
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -134,13 +201,17 @@ def build_app(config: ServerConfig) -> FastAPI:
         runner, info = await asyncio.to_thread(
             build_runner, config, lambda nbytes: engine.alloc_shared("decode-kv", nbytes))
         http = internal_client(config)
-        loop = EngineLoop(runner, executor, engine_metrics, config.max_batch_size,
-                          config.prefill_chunk_tokens)
-        loop.start()
         link = KVStoreLink(runner.kv, engine, http, config.cluster_secret,
                            config.conductor_url or "")
-        state["service"] = DecodeService(loop, link, info.max_model_len, failures, verified,
-                                         recomputed)
+        writeback = BlockWriteBack(runner.kv, link, writeback_metrics)
+        loop = WriteBackLoop(runner, executor, engine_metrics, config.max_batch_size,
+                             config.prefill_chunk_tokens, writeback=writeback)
+        loop.start()
+        state["service"] = service = DecodeService(loop, link, info.max_model_len, failures,
+                                                   verified, recomputed)
+        service.admission = _admission(config, runner.kv.num_blocks, info.max_model_len)
+        service.writeback = writeback
+        loop.step_observer = service.admission.observe_step
         registrar = Registrar(
             config.conductor_url or "", InstanceInfo(
                 instance_id=instance_id(config), role="decode", url=config.base_url,
@@ -149,12 +220,14 @@ def build_app(config: ServerConfig) -> FastAPI:
             load=lambda: Heartbeat(instance_id=instance_id(config), running=loop.load[0],
                                    waiting=loop.load[1], free_blocks=runner.kv.num_free))
         await registrar.start()
+        app.state.drain = partial(_drain, registrar, service, config.drain_timeout_s)
         log.info("decode instance %s ready", instance_id(config))
         try:
             yield
         finally:
             await registrar.stop()
             await loop.stop()
+            await writeback.close(config.transfer_timeout_s)
             await http.aclose()
             executor.shutdown(wait=True)
             engine.close()
@@ -168,13 +241,34 @@ def build_app(config: ServerConfig) -> FastAPI:
         service: DecodeService = state["service"]
         try:
             seq = await service.admit(job)
+        except AdmissionRefused as exc:
+            failures.labels("refused").inc()
+            raise HTTPException(503, f"decode admission refused: {exc}") from exc
         except OutOfBlocks as exc:
             failures.labels("no_kv_memory").inc()
             raise HTTPException(503, f"decode KV cache full: {exc}") from exc
         except (KVLoadError, StoreError, TransferError) as exc:
             failures.labels("kv_load").inc()
             raise HTTPException(503, f"loading KV from the store failed: {exc}") from exc
-        return StreamingResponse(service.stream(seq), media_type="application/x-ndjson")
+        return StreamingResponse(service.stream(seq, 1 + len(job.generated_token_ids)),
+                                 media_type="application/x-ndjson")
+
+    @app.post("/internal/decode/reserve", dependencies=[guard])
+    async def reserve(body: DecodeReserve) -> DecodeReserveReply:
+        """Admission before prefill: hold room for a request, or 503 if KV / TBT do not allow."""
+        admission: DecodeAdmission = state["service"].admission
+        try:
+            admission.reserve(body.request_id, body.prompt_tokens, body.max_tokens)
+        except AdmissionRefused as exc:
+            failures.labels("refused").inc()
+            raise HTTPException(503, f"decode admission refused: {exc}") from exc
+        return DecodeReserveReply(ttl_s=admission.ttl_s)
+
+    @app.post("/internal/decode/release", dependencies=[guard])
+    async def release(body: DecodeRelease) -> dict[str, bool]:
+        """Drop a reservation whose decode job will not come."""
+        state["service"].admission.release(body.request_id)
+        return {"released": True}
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -182,8 +276,22 @@ def build_app(config: ServerConfig) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def get_metrics():  # noqa: ANN202
+    async def get_metrics():
         """Prometheus metrics."""
         return metrics_response(registry)
 
     return app
+
+
+async def _drain(registrar: Registrar, service: DecodeService, timeout_s: float) -> None:
+    """SIGTERM: the conductor sends nothing new; running streams finish (bounded)."""
+    await registrar.drain()
+    await wait_until_idle(lambda: service.streams > 0 or any(service.loop.load), timeout_s,
+                          "decode streams")
+
+
+def _admission(config: ServerConfig, total_blocks: int, max_model_len: int) -> DecodeAdmission:
+    """Admission control over this instance's pool; TBT checked only with --tbt-slo."""
+    model = load_perf_model(config) if config.tbt_slo_s is not None else None
+    return DecodeAdmission(total_blocks, config.block_tokens, max_model_len, model=model,
+                           tbt_slo_s=config.tbt_slo_s)

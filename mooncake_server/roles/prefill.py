@@ -1,11 +1,14 @@
 """Prefill role: turns a prompt into KV blocks in the store and the first output token.
 
 A job walks, in order:
-  queued (one forward pass at a time) -> prefix lookup in the global store index -> prefix blocks
-  loaded into the local paged cache from whichever replicas hold them -> uncached tokens computed in
-  chunks of --prefill-chunk -> first token sampled -> new full blocks and the partial tail block
-  written to their store nodes (blocks the store cannot take are left for decode to recompute)
-  -> local blocks freed -> result.
+  queued (one forward pass at a time) -> prefix lookup in the instance's own prefix cache (its
+  paged pool keeps full blocks of earlier jobs, LRU-evicted) -> with `reuse: global`, the rest of
+  the cached prefix read from the store -> space for the blocks the store lacks reserved on their
+  store nodes (put_start) -> uncached tokens computed in chunks of --prefill-chunk, each layer's
+  new K/V written to the store as soon as that layer is computed (--kv-write layer; `after` writes
+  whole blocks once the forward is done) -> first token sampled -> put_end (decode may read) ->
+  full blocks kept in the local cache, the rest freed -> the cache's changes reported to the
+  conductor -> result. Blocks the store cannot take are left for decode to recompute.
 """
 
 from __future__ import annotations
@@ -17,20 +20,24 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+import torch
 from fastapi import Depends, FastAPI, HTTPException
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.engine.factory import build_runner
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.kv_io import KVStoreLink
+from mooncake_server.engine.kv_stream import LayerStream
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
+from mooncake_server.engine.prefix_cache import LocalPrefixCache
 from mooncake_server.engine.sampler import sample_token
 from mooncake_server.engine.sequence import Sequence
 from mooncake_server.internal_http import metrics_response, require_secret
 from mooncake_server.messages import Heartbeat, InstanceInfo, PrefillJob, PrefillResult
 from mooncake_server.registry import Registrar
 from mooncake_server.roles.common import instance_id, internal_client, make_transfer_engine
+from mooncake_server.scheduler.cache_report import CacheReporter
 from mooncake_server.store.client import StoreError
 
 log = logging.getLogger(__name__)
@@ -45,7 +52,13 @@ class PrefillMetrics:
         self.computed_tokens = Counter("mooncake_prefill_computed_tokens",
                                        "Prompt tokens computed", registry=registry)
         self.cached_tokens = Counter("mooncake_prefill_cached_tokens",
-                                     "Prompt tokens loaded from the store", registry=registry)
+                                     "Prompt tokens reused (local cache or store)",
+                                     registry=registry)
+        self.local_tokens = Counter("mooncake_prefill_local_cache_tokens",
+                                    "Prompt tokens reused from the instance's own prefix cache",
+                                    registry=registry)
+        self.cache_blocks = Gauge("mooncake_prefill_cache_blocks",
+                                  "KV blocks held in the local prefix cache", registry=registry)
         self.seconds = Histogram("mooncake_prefill_seconds", "Prefill job wall time",
                                  registry=registry)
         self.store_errors = Counter("mooncake_prefill_store_errors",
@@ -60,11 +73,14 @@ class PrefillWorker:
                  config: ServerConfig, max_model_len: int, metrics: PrefillMetrics) -> None:
         self.runner = runner
         self.kv = runner.kv
+        self.cache = LocalPrefixCache(runner.kv)
         self.link = link
         self.executor = executor
         self.config = config
         self.max_model_len = max_model_len
         self.metrics = metrics
+        self.reporter: CacheReporter | None = None  # set once the conductor is known
+        self._stream: LayerStream | None = None  # the running job's layer-wise writes
         self._lock = asyncio.Lock()
         self.queued = 0
 
@@ -73,7 +89,14 @@ class PrefillWorker:
         self.queued += 1
         try:
             async with self._lock:
-                return await self._run(job)
+                try:
+                    return await self._run(job)
+                finally:
+                    self.metrics.cache_blocks.set(self.cache.num_cached)
+                    if self.reporter is not None:
+                        # Before the result returns: the conductor plans the next request with
+                        # this job's blocks already in its view of this instance.
+                        await self.reporter.flush()
         finally:
             self.queued -= 1
 
@@ -83,36 +106,92 @@ class PrefillWorker:
         n = len(job.prompt_token_ids)
         seq = Sequence(job.request_id, list(job.prompt_token_ids), n, job.sampling,
                        self.max_model_len)
-        seq.block_ids = self.kv.allocate(self.kv.layout.blocks_for(n))
+        # At least one prompt token must be computed to get logits for the first token.
+        reusable = job.block_keys[:(n - 1) // bt]
+        hit = self.cache.match(reusable) if job.reuse != "none" else []
         try:
-            # At least one prompt token must be computed to get logits for the first token.
-            reusable = job.block_keys[:(n - 1) // bt]
-            loaded = await self._load_prefix(reusable, seq.block_ids)
-            seq.num_computed = loaded * bt
-            logits = None
-            loop = asyncio.get_running_loop()
-            while seq.num_pending > 0:
-                chunk = min(seq.num_pending, self.config.prefill_chunk_tokens)
-                logits = await loop.run_in_executor(
-                    self.executor, self.runner.step, [StepItem(seq, chunk)])
-                seq.num_computed += chunk
-            first = sample_token(logits[0], job.sampling, seq.generator)  # type: ignore[index]
-            self.metrics.computed_tokens.inc(n - loaded * bt)
-            self.metrics.cached_tokens.inc(loaded * bt)
-
-            full = n // bt
+            fresh = self.cache.allocate(self.kv.layout.blocks_for(n) - len(hit))
+        except OutOfBlocks:
+            self.cache.release(hit)
+            raise
+        seq.block_ids = hit + fresh
+        full = n // bt
+        try:
+            fetched = 0
+            if job.reuse == "global" and len(hit) < len(reusable):
+                fetched = await self._load_prefix(reusable[len(hit):], fresh)
+            reused = len(hit) + fetched
+            seq.num_computed = reused * bt
             tail_key = f"tail/{job.request_id}" if n % bt else None
+            keys = job.block_keys[:full] + ([tail_key] if tail_key else [])
+            # Blocks fetched from the store are there already; local hits may have left it.
+            write = [i for i in range(len(keys)) if not len(hit) <= i < reused]
+            first = await self._compute(seq, [keys[i] for i in write], write)
             checksums = await self.link.checksums(seq.block_ids)
-            keys = job.block_keys[loaded:full] + ([tail_key] if tail_key else [])
-            await self._save(keys, seq.block_ids[loaded:], checksums[loaded:])
+            await self._finish_writes(seq, [keys[i] for i in write], write, checksums)
+            self.cache.insert(job.block_keys[:full], seq.block_ids[:full])
         finally:
-            self.kv.free(seq.block_ids)
+            self.cache.release(seq.block_ids)
+        self.metrics.computed_tokens.inc(n - reused * bt)
+        self.metrics.cached_tokens.inc(reused * bt)
+        self.metrics.local_tokens.inc(len(hit) * bt)
         elapsed = time.perf_counter() - started
         self.metrics.seconds.observe(elapsed)
         return PrefillResult(request_id=job.request_id, first_token=first,
-                             cached_tokens=loaded * bt, tail_key=tail_key,
-                             block_checksums=checksums, prefill_seconds=elapsed)
+                             cached_tokens=reused * bt, tail_key=tail_key,
+                             block_checksums=checksums, prefill_seconds=elapsed,
+                             local_cached_tokens=len(hit) * bt)
 
+    async def _compute(self, seq: Sequence, keys: list[str], idx: list[int]) -> int:
+        """Forward the uncached tokens chunk by chunk (streaming KV layers); the first token."""
+        bt, n = self.kv.layout.block_tokens, len(seq.token_ids)
+        self._stream = None
+        if self.config.kv_write == "layer":
+            try:
+                self._stream = await LayerStream.open(
+                    self.link, keys, [seq.block_ids[i] for i in idx],
+                    [min((i + 1) * bt, n) for i in idx], seq.num_computed)
+            except StoreError as exc:
+                log.warning("cannot reserve store space, writing after the forward: %s", exc)
+        stream = self._stream
+        loop = asyncio.get_running_loop()
+        logits: torch.Tensor | None = None
+        try:
+            while seq.num_pending > 0:
+                chunk = min(seq.num_pending, self.config.prefill_chunk_tokens)
+                end = seq.num_computed + chunk
+                if stream is not None:
+                    stream.plan_chunk(end, final=end >= n)
+                logits = await loop.run_in_executor(
+                    self.executor, self.runner.step, [StepItem(seq, chunk)],
+                    stream.on_layer if stream is not None else None)
+                if stream is not None:
+                    stream.after_chunk()
+                seq.num_computed = end
+        except BaseException:
+            if stream is not None:
+                await stream.abort()
+            self._stream = None
+            raise
+        if logits is None:
+            raise RuntimeError(f"{seq.request_id}: nothing to compute")  # NOTE: a bug here
+        return sample_token(logits[0], seq.sampling, seq.generator)
+
+    async def _finish_writes(self, seq: Sequence, keys: list[str], idx: list[int],
+                             checksums: list[int]) -> None:
+        """put_end of the streamed blocks, or (no stream) write them whole now."""
+        stream, self._stream = self._stream, None
+        sums = [checksums[i] for i in idx]
+        if stream is not None:
+            try:
+                stored = await stream.finish(dict(zip(keys, sums)))
+                self._note_refused([stored[k] for k in keys])
+                return
+            except StoreError as exc:
+                log.warning("streaming %d KV blocks failed, writing them whole: %s",
+                            len(keys), exc)
+                self.metrics.store_errors.labels("stream").inc()
+        await self._save(keys, [seq.block_ids[i] for i in idx], sums)
 
     async def _load_prefix(self, keys: list[str], block_ids: list[int]) -> int:
         """Cached prefix blocks read into `block_ids`; 0 (compute everything) if the store fails."""
@@ -133,9 +212,12 @@ class PrefillWorker:
             log.warning("storing %d KV blocks failed: %s", len(keys), exc)
             self.metrics.store_errors.labels("save").inc()
             return
+        self._note_refused(stored)
+
+    def _note_refused(self, stored: list[bool]) -> None:
         if not all(stored):
             log.warning("the store refused %d of %d KV blocks (full); decode recomputes them",
-                        stored.count(False), len(keys))
+                        stored.count(False), len(stored))
             self.metrics.store_errors.labels("refused").inc()
 
 
@@ -155,6 +237,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         link = KVStoreLink(runner.kv, engine, http, config.cluster_secret,
                            config.conductor_url or "")
         worker = PrefillWorker(runner, link, executor, config, info.max_model_len, metrics)
+        worker.reporter = CacheReporter(config.conductor_url or "", instance_id(config),
+                                        config.cluster_secret, worker.cache, http)
         state["worker"] = worker
         registrar = Registrar(
             config.conductor_url or "", InstanceInfo(
@@ -162,8 +246,9 @@ def build_app(config: ServerConfig) -> FastAPI:
                 model=info.name),
             config.cluster_secret, config.heartbeat_interval_s,
             load=lambda: Heartbeat(instance_id=instance_id(config), waiting=worker.queued,
-                                   free_blocks=runner.kv.num_free))
+                                   free_blocks=worker.cache.num_available))
         await registrar.start()
+        await worker.reporter.flush()  # the conductor learns this (empty) cache's epoch
         log.info("prefill instance %s ready", instance_id(config))
         try:
             yield
@@ -196,7 +281,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def get_metrics():  # noqa: ANN202
+    async def get_metrics():
         """Prometheus metrics."""
         return metrics_response(registry)
 

@@ -13,6 +13,7 @@ from typing import Any
 from mooncake_server.config import ServerConfig
 from mooncake_server.registry import InstanceRegistry
 from mooncake_server.scheduler.backend import ScheduledBackend
+from mooncake_server.scheduler.local_index import LocalCacheIndex
 from mooncake_server.scheduler.oracle import (
     IndexPrefixOracle,
     NoPrefixOracle,
@@ -24,7 +25,7 @@ from mooncake_server.scheduler.policy import KVCacheScheduler, Policy, SLOReject
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVCacheScheduler", "PerfModel", "Policy", "SLORejected", "ScheduledBackend",
+__all__ = ["KVCacheScheduler", "LocalCacheIndex", "PerfModel", "Policy", "SLORejected", "ScheduledBackend",
            "build_scheduler", "kv_bytes_per_token", "load_perf_model"]
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -60,10 +61,13 @@ def load_perf_model(config: ServerConfig, hf_config: Any = None) -> PerfModel:
 
 def build_scheduler(config: ServerConfig, registry: InstanceRegistry,
                     index: PrefixIndex | None = None, hf_config: Any = None,
-                    oracle: PrefixOracle | None = None) -> KVCacheScheduler:
-    """The conductor's scheduler: --policy, --ttft-slo / --tbt-slo, --profile, the store index."""
+                    oracle: PrefixOracle | None = None,
+                    local: LocalCacheIndex | None = None) -> KVCacheScheduler:
+    """The conductor's scheduler: --policy, --ttft-slo / --tbt-slo, --profile, the store index,
+    and (`local`) the prefill instances' reports of their own prefix caches."""
     if oracle is None:
-        oracle = IndexPrefixOracle(index, registry) if index is not None else NoPrefixOracle()
+        oracle = (IndexPrefixOracle(index, registry, local) if index is not None
+                  else NoPrefixOracle())
     return KVCacheScheduler(registry, load_perf_model(config, hf_config), policy=config.policy,
                             block_tokens=config.block_tokens, oracle=oracle,
                             ttft_slo_s=config.ttft_slo_s, tbt_slo_s=config.tbt_slo_s)

@@ -116,6 +116,17 @@ class LoadTracker:
             ratio = min(_DEC_MAX, max(_DEC_MIN, (now - last) / predicted_step_s))
             inst.decode_calibration += _DEC_ALPHA * (ratio - inst.decode_calibration)
 
+    def move_decode(self, request_id: str, decode_id: str) -> None:
+        """The request's decode instance changed (the planned one refused it at admission)."""
+        old = self._decode_of.get(request_id)
+        if old is None or old == decode_id:
+            return
+        context = self._get(old).decode.pop(request_id, 0)
+        self._get(decode_id).decode[request_id] = context
+        self._decode_of[request_id] = decode_id
+        # The next gap includes the move (loading KV): it must not calibrate either instance.
+        self._last_token_at.pop(request_id, None)
+
     def finished(self, request_id: str) -> None:
         """The request ended (any outcome): forget it everywhere."""
         if request_id in self._prefill_of:

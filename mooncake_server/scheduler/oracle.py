@@ -2,8 +2,9 @@
 
 `longest_prefix(keys)` answers, in leading *blocks* of `keys`:
   - `STORE_WIDE` ("*"): the longest prefix cached anywhere in the global store (all nodes);
-  - a prefill instance id: the longest prefix that instance can use without a network transfer
-    (its own cache, or a store node on the same host);
+  - a prefill instance id: the longest prefix that instance can use without a network transfer:
+    its own prefix cache as it reports it (`LocalCacheIndex`), or, without such reports, a store
+    node on the same host;
   - a store node id: the longest prefix that node alone holds.
 Missing instances mean 0. Two implementations: the conductor's global store index (no I/O), and
 one `/store/exists` call to a store node (works against any single store).
@@ -61,13 +62,25 @@ class NoPrefixOracle:
         return {}
 
 
-class IndexPrefixOracle:
-    """Answers from the conductor's global store index; a store node is local to the prefill
-    instances on its host (the paper's deployment: the store pool is the prefill nodes' DRAM)."""
+class LocalIndex(Protocol):
+    """What prefill instances hold in their own caches (`LocalCacheIndex.prefix`)."""
 
-    def __init__(self, index: PrefixIndex, registry: InstanceRegistry) -> None:
+    def prefix(self, instance_id: str, keys: list[str]) -> int:
+        """Leading keys the instance holds."""
+        ...
+
+
+class IndexPrefixOracle:
+    """Answers from the conductor's global store index and, with `local`, from the prefill
+    instances' reports of their own caches. Without `local`, a store node is local to the
+    prefill instances on its host (the paper's deployment: the store pool is the prefill
+    nodes' DRAM)."""
+
+    def __init__(self, index: PrefixIndex, registry: InstanceRegistry,
+                 local: LocalIndex | None = None) -> None:
         self._index = index
         self._registry = registry
+        self._local = local
 
     async def longest_prefix(self, keys: Sequence[str]) -> dict[str, int]:
         """One in-memory index query, spread onto colocated prefill instances."""
@@ -75,6 +88,12 @@ class IndexPrefixOracle:
             return {}
         reply = self._index.prefix(list(keys))
         hits: dict[str, int] = {STORE_WIDE: reply.prefix, **reply.by_node}
+        if self._local is not None:
+            for prefill in self._registry.alive("prefill"):
+                local = self._local.prefix(prefill.instance_id, list(keys))
+                if local:
+                    hits[prefill.instance_id] = local
+            return hits
         by_host: dict[str, int] = {}
         for node_id, blocks in reply.by_node.items():
             info = self._registry.get(node_id)

@@ -11,6 +11,11 @@ policy picks the pair (paper Fig. 5 ablation):
                 fetches it when that beats recomputing (cache load balancing, §4.2).
 If `--ttft-slo` / `--tbt-slo` cannot be met by the chosen pair, the request is rejected at once
 (HTTP 429 + Retry-After) instead of queueing behind work that would break its SLO.
+The plan also says what the prefill instance may reuse (`PrefillJob.reuse`): `global` (fetch the
+prefix it lacks from the store) only under cache-global when the estimate chose fetching;
+otherwise `local`, the blocks in its own prefix cache. A decode instance that refuses the request
+at admission (its KV memory or TBT would not allow it) is replaced by the next best one
+(`repick_decode`); when none is left the request gets a 429 before prefill starts.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class Plan(NamedTuple):
     decode: InstanceInfo
     prefill_estimate: PrefillEstimate
     tbt_s: float
+    reuse: str = "local"  # PrefillJob.reuse: local | global
 
 
 class _DecodeChoice(NamedTuple):
@@ -127,19 +133,27 @@ class KVCacheScheduler:
         choices = [self._decode_choice(info, request) for info in decodes]
         if self.policy is Policy.RANDOM:
             best_p = self._rng.choice(estimates)
-            best_d = self._rng.choice(choices)
         elif self.policy is Policy.LOAD:
             best_p = min(estimates, key=lambda e: (
                 e.queue_s, self.tracker.prefill_queue_len(e.instance_id), e.instance_id))
-            best_d = min(choices, key=lambda c: (
-                self.tracker.decode_load(c.info.instance_id).batch, c.info.instance_id))
         else:
             best_p = min(estimates, key=lambda e: (e.ttft_s, e.instance_id))
-            fitting = [c for c in choices if c.fits] or choices
-            best_d = min(fitting, key=lambda c: (c.tbt_s, c.info.instance_id))
+        best_d = self._best_decode(choices)
         self._check_slos(request, best_p, best_d)
         prefill = next(i for i in prefills if i.instance_id == best_p.instance_id)
-        return Plan(self._pick_store_node(hits), prefill, best_d.info, best_p, best_d.tbt_s)
+        reuse = ("global" if self.policy is Policy.CACHE_GLOBAL and best_p.fetched_tokens
+                 else "local")
+        return Plan(self._pick_store_node(hits), prefill, best_d.info, best_p, best_d.tbt_s,
+                    reuse)
+
+    def _best_decode(self, choices: list[_DecodeChoice]) -> _DecodeChoice:
+        if self.policy is Policy.RANDOM:
+            return self._rng.choice(choices)
+        if self.policy is Policy.LOAD:
+            return min(choices, key=lambda c: (
+                self.tracker.decode_load(c.info.instance_id).batch, c.info.instance_id))
+        fitting = [c for c in choices if c.fits] or choices
+        return min(fitting, key=lambda c: (c.tbt_s, c.info.instance_id))
 
     def _estimate(self, info: InstanceInfo, prompt_tokens: int,
                   hits: dict[str, int]) -> PrefillEstimate:
@@ -217,6 +231,32 @@ class KVCacheScheduler:
         """The request ended, whatever the outcome."""
         self._plans.pop(request_id, None)
         self.tracker.finished(request_id)
+
+    # ---- decode admission ---------------------------------------------------------------------
+
+    def repick_decode(self, request: GenerateRequest,
+                      refused: set[str]) -> InstanceInfo | None:
+        """The next decode instance after `refused` ones turned the request away at admission.
+
+        None when no other one is alive, or (with --tbt-slo) none is predicted to keep it.
+        """
+        decodes = [d for d in self.registry.alive("decode") if d.instance_id not in refused]
+        if not decodes:
+            return None
+        best = self._best_decode([self._decode_choice(d, request) for d in decodes])
+        if self.tbt_slo_s is not None and (best.tbt_s > self.tbt_slo_s or not best.fits):
+            return None
+        rid = request.request_id
+        plan = self._plans.get(rid)
+        if plan is not None:
+            self._plans[rid] = plan._replace(decode=best.info, tbt_s=best.tbt_s)
+        self.tracker.move_decode(rid, best.info.instance_id)
+        return best.info
+
+    def prefill_reuse(self, request: GenerateRequest) -> str:
+        """What the planned prefill instance may reuse (`PrefillJob.reuse`)."""
+        plan = self._plans.get(request.request_id)
+        return plan.reuse if plan else "global"
 
     # ---- InstancePicker -----------------------------------------------------------------------
 

@@ -126,6 +126,35 @@ class StoreClient:
             stored[i] = ok
         return stored
 
+    # ---- the put steps on their own, for a writer that fills the space gradually
+    # (prefill streams each layer of a block as soon as it is computed) -----------------------
+
+    async def reserve(self, keys: list[str], sizes: list[int]) -> StorePutStartReply:
+        """put_start: offsets to write each key at (None = skip: present, in progress, refused)."""
+        reply = await self._post("/store/put_start", StorePutStart(keys=keys, sizes=sizes),
+                                 StorePutStartReply)
+        if len(reply.offsets) != len(keys):
+            raise StoreError(f"put_start: store answered {len(reply.offsets)} offsets for "
+                             f"{len(keys)} keys")
+        return reply
+
+    async def commit(self, keys: list[str], checksums: list[int]) -> list[bool]:
+        """put_end: per key whether it is now READY."""
+        if not keys:
+            return []
+        end = await self._post("/store/put_end", StorePutEnd(keys=keys, checksums=checksums),
+                               StorePutEndReply)
+        return end.committed
+
+    async def abort(self, keys: list[str]) -> None:
+        """put_abort, never raising (the store also reaps stale reservations on a timeout)."""
+        if keys:
+            await self._abort_quietly(keys)
+
+    async def segment(self) -> int:
+        """The transfer-engine handle of the node's segment (opened once)."""
+        return await self._segment_handle()
+
     async def get(self, keys: list[str], addrs: list[int], sizes: list[int]) -> int:
         """Read the leading present blocks into local registered memory; return how many.
 

@@ -72,6 +72,10 @@ class StoreCluster:
         reply = await self._ask("/prefix", StoreKeys(keys=keys), StorePrefixReply)
         return reply.prefix
 
+    async def place(self, keys: list[str]) -> StorePlaceReply:
+        """Where new keys go: K target nodes per key (one call to the index)."""
+        return await self._ask("/place", StoreKeys(keys=keys), StorePlaceReply)
+
     async def get(self, keys: list[str], addrs: list[int], sizes: list[int], *,
                   fallback: bool = True) -> int:
         """Read the leading blocks any live replica holds; return how many arrived.

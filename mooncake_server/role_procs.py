@@ -1,0 +1,221 @@
+"""Roles started one by one as OS processes, each killable, stoppable and restartable on its own
+port and instance id (fault tests, soak and overload runs). Optionally inside a network
+namespace (`ip netns exec`), listening on that namespace's address.
+
+`--role all` runs one instance per role on fixed port offsets; a cluster with two decode or
+store instances, or with a role that must die and come back, is built here instead.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from mooncake_server.launcher import STARTUP_TIMEOUT_S, free_port_block
+from mooncake_server.messages import SECRET_HEADER
+
+_POLL_S = 0.2
+
+
+@dataclass
+class RoleProc:
+    """One `python -m mooncake_server --role ROLE` process."""
+
+    role: str
+    name: str  # its instance id
+    host: str
+    port: int
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path | None = None
+    netns: str | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Its HTTP base URL."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """Process id of the running role (raises if it is not running)."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} is not running")
+        return self.proc.pid
+
+    def start(self) -> RoleProc:
+        """Spawn the process (again, after a kill or stop: same port, same instance id)."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is already running")
+        argv = (["ip", "netns", "exec", self.netns] if self.netns else []) + self.argv
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(argv, env=self.env, start_new_session=True,
+                                         stdout=out, stderr=subprocess.STDOUT)
+        finally:
+            if self.log_path:
+                out.close()  # type: ignore[union-attr]
+        return self
+
+    def running(self) -> bool:
+        """True while the process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        """Send a signal (SIGKILL, SIGTERM, SIGSTOP, SIGCONT...)."""
+        if self.running():
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        """Wait for the process to exit; its exit code."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self.proc.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.running():
+            self.signal(signal.SIGCONT)  # a stopped process must be able to die
+            self.signal(signal.SIGKILL)
+            self.wait()
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (a graceful drain), then SIGKILL after `timeout_s`; the exit code."""
+        if not self.running():
+            return self.proc.returncode if self.proc else None
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            return self.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.returncode if self.proc else None
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the process now (/proc/PID/status VmRSS)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no VmRSS for {self.name}")
+
+
+@dataclass
+class RoleCluster:
+    """A conductor and any number of store, prefill and decode instances, one process each."""
+
+    log_dir: Path | None = None
+    common: list[str] = field(default_factory=list)  # flags every role gets
+    secret: str = field(default_factory=lambda: secrets.token_hex(16))
+    procs: dict[str, RoleProc] = field(default_factory=dict)
+    conductor_url: str = ""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers internal endpoints accept."""
+        return {SECRET_HEADER: self.secret}
+
+    def add(self, role: str, name: str, *extra: str, host: str = "127.0.0.1",
+            netns: str | None = None, port: int | None = None,
+            advertise: str | None = None) -> RoleProc:
+        """Declare one role process (the conductor first); start it with `start()`.
+
+        It listens on `host` (inside `netns` if given); others reach it at `advertise` (else
+        `host`).
+        """
+        if role != "conductor" and not self.conductor_url:
+            raise ValueError("add the conductor first")
+        port = port or free_port_block(1)
+        reach = advertise or host
+        argv = [sys.executable, "-m", "mooncake_server", "--role", role, "--host", host,
+                "--port", str(port), *self.common, *extra]
+        if advertise:
+            argv += ["--advertise-host", advertise]
+        if role == "conductor":
+            self.conductor_url = f"http://{reach}:{port}"
+        else:
+            argv += ["--conductor-url", self.conductor_url, "--instance-id", name]
+        env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": self.secret}
+        log = self.log_dir / f"{name}.log" if self.log_dir else None
+        proc = RoleProc(role, name, reach, port, argv, env, log, netns)
+        self.procs[name] = proc
+        return proc
+
+    def __getitem__(self, name: str) -> RoleProc:
+        return self.procs[name]
+
+    @property
+    def url(self) -> str:
+        """The conductor's base URL (the public API)."""
+        return self.conductor_url
+
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> RoleCluster:
+        """Start every declared process and wait until each instance is registered."""
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        for proc in self.procs.values():
+            proc.start()
+        self.wait_registered([n for n, p in self.procs.items() if p.role != "conductor"],
+                             timeout_s)
+        return self
+
+    def instances(self) -> list[dict[str, object]]:
+        """The conductor's view of every instance (GET /internal/instances)."""
+        r = httpx.get(self.url + "/internal/instances", headers=self.headers, timeout=5)
+        r.raise_for_status()
+        return list(r.json())
+
+    def wait_registered(self, names: list[str], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Wait until the conductor sees each named instance alive and not draining."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            dead = [p.name for p in self.procs.values()
+                    if p.proc is not None and p.proc.poll() is not None and p.name in names]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited during start-up "
+                                   f"(logs in {self.log_dir})")
+            try:
+                live = {s["info"]["instance_id"] for s in self.instances()  # type: ignore[index]
+                        if s["alive"] and not s.get("draining")}
+                if set(names) <= live:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{names} not registered within {timeout_s:.0f} s")
+            time.sleep(_POLL_S)
+
+    def metrics(self, name: str) -> str:
+        """A role's /metrics text."""
+        proc = self.procs[name]
+        return httpx.get(proc.url + "/metrics", headers=self.headers, timeout=10).text
+
+    def rss(self) -> dict[str, int]:
+        """Resident memory of every running role, by name."""
+        return {n: p.rss_bytes() for n, p in self.procs.items() if p.running()}
+
+    def stop(self) -> None:
+        """Stop every process (SIGTERM, then SIGKILL)."""
+        for proc in reversed(list(self.procs.values())):
+            if proc.running():
+                proc.signal(signal.SIGCONT)
+                proc.signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            if proc.running():
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+    def __enter__(self) -> RoleCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

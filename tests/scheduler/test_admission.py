@@ -1,0 +1,67 @@
+"""Decode admission control: KV memory and predicted TBT decide whether a request is taken."""
+
+from __future__ import annotations
+
+import pytest
+from sched_helpers import MODEL, Clock
+
+from mooncake_server.scheduler.admission import AdmissionRefused, DecodeAdmission
+
+
+def admission(blocks: int = 10, tbt_slo: float | None = None,
+              clock: Clock | None = None) -> DecodeAdmission:
+    # 4-token blocks; MODEL: a step is 20 ms + 5 ms per sequence.
+    return DecodeAdmission(blocks, 4, 64, model=MODEL, tbt_slo_s=tbt_slo, ttl_s=30.0,
+                           clock=clock or Clock())
+
+
+def test_refuses_what_the_kv_memory_could_not_finish() -> None:
+    a = admission(blocks=10)
+    a.reserve("r1", prompt_tokens=12, max_tokens=8)  # 5 blocks, worst case
+    a.reserve("r2", prompt_tokens=12, max_tokens=8)
+    with pytest.raises(AdmissionRefused, match="KV memory"):
+        a.reserve("r3", prompt_tokens=1, max_tokens=1)
+    a.release("r1")
+    a.reserve("r3", prompt_tokens=1, max_tokens=1)
+    assert a.committed_blocks == 6
+
+
+def test_an_idle_instance_takes_even_a_request_larger_than_its_pool() -> None:
+    a = admission(blocks=2)
+    a.reserve("big", prompt_tokens=40, max_tokens=30)  # capped at the 64-token context
+    assert a.committed_blocks == 16
+
+
+def test_refuses_what_would_break_the_tbt_slo() -> None:
+    a = admission(blocks=1000, tbt_slo=0.036)  # 20 ms + 5 ms x 3 = 35 ms fits, 4 do not
+    for rid in ("a", "b", "c"):
+        a.reserve(rid, prompt_tokens=4, max_tokens=4)
+    with pytest.raises(AdmissionRefused, match="TBT"):
+        a.reserve("d", prompt_tokens=4, max_tokens=4)
+    assert a.refused == 1
+
+
+def test_measured_steps_calibrate_the_tbt_prediction() -> None:
+    a = admission(blocks=1000, tbt_slo=0.1)
+    a.reserve("a", prompt_tokens=4, max_tokens=4)
+    a.reserve("b", prompt_tokens=4, max_tokens=4)  # 30 ms predicted: fits
+    for _ in range(100):
+        a.observe_step(batch=2, context=8, seconds=0.12)  # this host runs steps 4x slower
+    with pytest.raises(AdmissionRefused, match="TBT"):
+        a.reserve("c", prompt_tokens=4, max_tokens=4)
+
+
+def test_a_job_claims_its_reservation_and_unclaimed_ones_expire() -> None:
+    clock = Clock()
+    a = admission(blocks=10, clock=clock)
+    a.reserve("r1", prompt_tokens=12, max_tokens=8)
+    a.claim("r1", prompt_tokens=12, max_tokens=8)  # no double count
+    a.reserve("r2", prompt_tokens=12, max_tokens=8)
+    assert a.committed_blocks == 10
+    clock.now += 31  # r2's decode job never came; r1 is claimed and stays
+    assert a.committed_blocks == 5
+    a.claim("r3", prompt_tokens=12, max_tokens=8)  # a job without a reservation
+    finished = False
+    a.bind("r3", lambda: finished)
+    finished = True  # its stream ended without a release
+    assert a.committed_blocks == 5
