@@ -64,8 +64,7 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--drain-timeout", "drain_timeout_s", float,
      "seconds a SIGTERM'd instance may finish its running work before it exits (default 30)"),
     ("--failover-wait", "failover_wait_s", float,
-     "conductor: seconds to wait for a live instance when moving a request off a dead one "
-     "(default 30)"),
+     "conductor: seconds to wait for a live instance to move a request to (default 30)"),
     ("--policy", "policy", str,
      "conductor's placement: random | load | cache-local | cache-global (default)"),
     ("--ttft-slo", "ttft_slo_s", float,

@@ -9,6 +9,7 @@ store instances, or with a role that must die and come back, is built here inste
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -16,11 +17,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from mooncake_server.launcher import STARTUP_TIMEOUT_S, free_port_block
 from mooncake_server.messages import SECRET_HEADER
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 _POLL_S = 0.2
 
@@ -69,6 +74,16 @@ class RoleProc:
         """True while the process runs."""
         return self.proc is not None and self.proc.poll() is None
 
+    def healthy(self) -> bool:
+        """True once the process answers /health with 200 (raises if it exited)."""
+        if not self.running():
+            code = self.proc.returncode if self.proc else None
+            raise RuntimeError(f"{self.name} exited (code {code})")
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def signal(self, sig: int) -> None:
         """Send a signal (SIGKILL, SIGTERM, SIGSTOP, SIGCONT...)."""
         if self.running():
@@ -99,12 +114,16 @@ class RoleProc:
             self.kill()
             return self.proc.returncode if self.proc else None
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the process now (/proc/PID/status VmRSS)."""
+    def memory(self) -> dict[str, int]:
+        """Resident memory now, bytes: `rss` in all, `anon` private (heap: where leaks show),
+        `shmem` shared (the KV pool, resident as its pages are first used)."""
+        fields = {"VmRSS:": "rss", "RssAnon:": "anon", "RssShmem:": "shmem"}
+        out = {}
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError(f"no VmRSS for {self.name}")
+            key = line.split(maxsplit=1)[0] if line else ""
+            if key in fields:
+                out[fields[key]] = int(line.split()[1]) * 1024
+        return out
 
 
 @dataclass
@@ -166,15 +185,27 @@ class RoleCluster:
                              timeout_s)
         return self
 
-    def instances(self) -> list[dict[str, object]]:
+    def instances(self) -> list[dict[str, Any]]:
         """The conductor's view of every instance (GET /internal/instances)."""
         r = httpx.get(self.url + "/internal/instances", headers=self.headers, timeout=5)
         r.raise_for_status()
         return list(r.json())
 
     def wait_registered(self, names: list[str], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        """Wait until the conductor sees each named instance alive and not draining."""
+        """Wait until each named process serves (its start-up, registration included, is done)
+        and the conductor sees it alive and not draining.
+
+        NOTE: the process check matters after a restart: the conductor may still count the
+        killed process alive for a heartbeat timeout.
+        """
         deadline = time.monotonic() + timeout_s
+        pending = [n for n in names if self.procs[n].running()]
+        while pending:
+            pending = [n for n in pending if not self.procs[n].healthy()]
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"{pending} not serving within {timeout_s:.0f} s")
+            if pending:
+                time.sleep(_POLL_S)
         while True:
             dead = [p.name for p in self.procs.values()
                     if p.proc is not None and p.proc.poll() is not None and p.name in names]
@@ -197,9 +228,62 @@ class RoleCluster:
         proc = self.procs[name]
         return httpx.get(proc.url + "/metrics", headers=self.headers, timeout=10).text
 
-    def rss(self) -> dict[str, int]:
-        """Resident memory of every running role, by name."""
-        return {n: p.rss_bytes() for n, p in self.procs.items() if p.running()}
+    def free_blocks(self, settle_s: float = 2.0) -> dict[str, int]:
+        """Free KV blocks of each decode instance when idle: the most it reports over
+        `settle_s` (heartbeats lag, write-backs finish)."""
+        out: dict[str, int] = {}
+        deadline = time.monotonic() + settle_s
+        while True:
+            for status in self.instances():
+                load = status.get("load") or {}
+                info = status["info"]
+                if info["role"] == "decode" and load.get("free_blocks") is not None:
+                    name = info["instance_id"]
+                    out[name] = max(out.get(name, 0), int(load["free_blocks"]))
+            if time.monotonic() > deadline:
+                return out
+            time.sleep(_POLL_S)
+
+    def leftovers(self, idle_free_blocks: dict[str, int]) -> dict[str, float]:
+        """What is still held anywhere; all zero once the cluster is idle and leaks nothing.
+
+        Requests in the conductor, leases and write reservations in the store nodes, running
+        sequences, write-back pins and KV blocks missing from each decode instance's free pool
+        (against `idle_free_blocks`, its count when idle).
+        """
+        out: dict[str, float] = {}
+        for name, proc in self.procs.items():
+            if not proc.running():
+                continue
+            text = self.metrics(name)
+            names = {"conductor": ["mooncake_conductor_requests_running"],
+                     "store": ["mooncake_store_active_leases", "mooncake_store_writing_objects"],
+                     "decode": ["mooncake_decode_writeback_held_blocks"]}.get(proc.role, [])
+            for metric in names:
+                found = re.search(rf"^{metric} (\S+)$", text, re.MULTILINE)
+                out[f"{name}:{metric}"] = float(found.group(1)) if found else 0.0
+        for status in self.instances():
+            info, load = status["info"], status.get("load") or {}
+            if info["role"] == "decode" and info["instance_id"] in idle_free_blocks:
+                out[f"{info['instance_id']}:running"] = load.get("running", 0) + load.get(
+                    "waiting", 0)
+                out[f"{info['instance_id']}:blocks_in_use"] = (
+                    idle_free_blocks[info["instance_id"]] - load.get("free_blocks", 0))
+        return out
+
+    def wait_idle(self, idle_free_blocks: dict[str, int], timeout_s: float = 60.0
+                  ) -> dict[str, float]:
+        """Poll `leftovers` until all zero (returned), or return what is left at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = {k: v for k, v in self.leftovers(idle_free_blocks).items() if v}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(_POLL_S)
+
+    def memory(self) -> dict[str, dict[str, int]]:
+        """`RoleProc.memory` of every running role, by name."""
+        return {n: p.memory() for n, p in self.procs.items() if p.running()}
 
     def stop(self) -> None:
         """Stop every process (SIGTERM, then SIGKILL)."""
@@ -214,7 +298,7 @@ class RoleCluster:
                 except subprocess.TimeoutExpired:
                     proc.kill()
 
-    def __enter__(self) -> RoleCluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -22,9 +22,17 @@ def make_transfer_engine(config: ServerConfig, serve: bool) -> TransferEngine:
 
 
 def internal_client(config: ServerConfig) -> httpx.AsyncClient:
-    """HTTP client for calls to other roles: cluster secret attached, no read timeout on streams."""
+    """HTTP client for control calls to other roles (store, index, reports): cluster secret
+    attached, every call bounded by `control_timeout_s`."""
+    limit = control_timeout_s(config)
     return httpx.AsyncClient(
         headers=secret_headers(config.cluster_secret),
-        timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
+        timeout=httpx.Timeout(limit, connect=min(5.0, limit)),
         limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
     )
+
+
+def control_timeout_s(config: ServerConfig) -> float:
+    """How long one control call may take. NOTE: a peer behind a dead link never answers on a
+    kept-alive connection (no reset arrives), so only a read timeout ends the wait."""
+    return max(5.0, 2 * config.transfer_timeout_s)

@@ -19,12 +19,14 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
 
 import torch
 from fastapi import Depends, FastAPI, HTTPException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mooncake_server.config import ServerConfig
+from mooncake_server.drain import wait_until_idle
 from mooncake_server.engine.factory import build_runner
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.kv_io import KVStoreLink
@@ -221,6 +223,12 @@ class PrefillWorker:
             self.metrics.store_errors.labels("refused").inc()
 
 
+async def _drain(registrar: Registrar, worker: PrefillWorker, timeout_s: float) -> None:
+    """SIGTERM: the conductor sends no new job; queued and running ones finish (bounded)."""
+    await registrar.drain()
+    await wait_until_idle(lambda: worker.queued > 0, timeout_s, "prefill jobs")
+
+
 def build_app(config: ServerConfig) -> FastAPI:
     """The prefill instance's internal HTTP API."""
     registry = CollectorRegistry()
@@ -248,6 +256,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             load=lambda: Heartbeat(instance_id=instance_id(config), waiting=worker.queued,
                                    free_blocks=worker.cache.num_available))
         await registrar.start()
+        app.state.drain = partial(_drain, registrar, worker, config.drain_timeout_s)
         await worker.reporter.flush()  # the conductor learns this (empty) cache's epoch
         log.info("prefill instance %s ready", instance_id(config))
         try:

@@ -20,6 +20,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -27,6 +28,7 @@ from fastapi import Depends, FastAPI, HTTPException, Response
 from prometheus_client import CollectorRegistry
 
 from mooncake_server.config import ServerConfig
+from mooncake_server.drain import wait_until_idle
 from mooncake_server.internal_http import metrics_response, require_secret
 from mooncake_server.messages import (
     InstanceInfo,
@@ -82,6 +84,12 @@ class StoreRuntime:
         return self.node.table
 
 
+async def _drain(registrar: Registrar, node: StoreNode, timeout_s: float) -> None:
+    """SIGTERM: new blocks go to other nodes; readers holding leases here finish (bounded)."""
+    await registrar.drain()
+    await wait_until_idle(lambda: node.stats().active_leases > 0, timeout_s, "store leases")
+
+
 def build_app(config: ServerConfig) -> FastAPI:
     """The store role's FastAPI app; the lifespan owns the engine, the pool and registration."""
     instance_id = common.instance_id(config)
@@ -122,6 +130,7 @@ def build_app(config: ServerConfig) -> FastAPI:
                                       config.heartbeat_interval_s)
                 await registrar.start()
                 stack.push_async_callback(registrar.stop)
+                app.state.drain = partial(_drain, registrar, node, config.drain_timeout_s)
                 reporter = IndexReporter(config.conductor_url, instance_id,
                                          config.cluster_secret, node.snapshot)
                 runtime.reporter = reporter
@@ -137,6 +146,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             app.state.store = None
 
     app = FastAPI(title="mooncake-server store", lifespan=lifespan)
+    app.state.drain = None  # set once registered; SIGTERM runs it before shutting down
     metrics = CollectorRegistry()
     metrics.register(NodeCollector(lambda: _node_or_none(app)))
     guard = [Depends(require_secret(config.cluster_secret))]

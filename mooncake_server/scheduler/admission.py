@@ -7,7 +7,8 @@ refused (HTTP 503, which the conductor turns into another decode instance or a 4
   - KV: the worst-case blocks of every held request (prompt + max_tokens, capped by the context
     window) plus its own exceed the pool: admitted, it could run out of blocks mid-stream;
   - TBT (with --tbt-slo): the step time predicted for the batch with it — the cost model
-    (--profile or built-in), calibrated by the steps this instance measured — exceeds the SLO.
+    (--profile or built-in), calibrated by the steps this instance measured (their slow tail:
+    TBT is judged on the longest gaps) — exceeds the SLO.
 An idle instance takes any request, so one too large for the SLO alone is still served.
 """
 
@@ -17,10 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mooncake_server.scheduler.calibration import TailCalibration
 from mooncake_server.scheduler.perf_model import PerfModel
-
-_CAL_ALPHA = 0.1
-_CAL_MIN, _CAL_MAX = 0.5, 30.0
 
 
 class AdmissionRefused(Exception):
@@ -47,7 +46,7 @@ class DecodeAdmission:
         self.model = model
         self.tbt_slo_s = tbt_slo_s
         self.ttl_s = ttl_s
-        self.calibration = 1.0
+        self._calibration = TailCalibration()
         self.refused = 0
         self._clock = clock
         self._held: dict[str, _Hold] = {}
@@ -80,6 +79,11 @@ class DecodeAdmission:
         """The request's stream ended (or its decode job will never come)."""
         self._held.pop(request_id, None)
 
+    @property
+    def calibration(self) -> float:
+        """Measured / modelled step time (a high quantile of recent steps)."""
+        return self._calibration.value
+
     def predicted_step_s(self, batch: int, context: int) -> float | None:
         """Calibrated step time of a batch; None without a cost model."""
         if self.model is None:
@@ -90,10 +94,7 @@ class DecodeAdmission:
         """A decode step this instance ran: calibrates later predictions."""
         if self.model is None or batch <= 0:
             return
-        modelled = self.model.decode_step_s(batch, context)
-        if modelled > 0:
-            ratio = min(_CAL_MAX, max(_CAL_MIN, seconds / modelled))
-            self.calibration += _CAL_ALPHA * (ratio - self.calibration)
+        self._calibration.add(seconds, self.model.decode_step_s(batch, context))
 
     def _admit(self, request_id: str, prompt_tokens: int, max_tokens: int,
                expires_at: float | None) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from mooncake_server.messages import Heartbeat
+from mooncake_server.scheduler.calibration import TailCalibration
 
 # Calibration: measured/estimated prefill time, smoothed; clamped so one outlier cannot make an
 # instance look idle or dead.
@@ -31,10 +32,6 @@ class _PrefillEntry:
     assigned_at: float
 
 
-# Decode calibration learns from every token gap: smaller steps, wider clamp (CPU contention on
-# a shared host can slow steps many times over).
-_DEC_ALPHA = 0.05
-_DEC_MIN, _DEC_MAX = 0.5, 30.0
 
 
 @dataclass
@@ -43,7 +40,9 @@ class _Instance:
     last_done_at: float = float("-inf")
     calibration: float = 1.0
     decode: dict[str, int] = field(default_factory=dict)  # request id -> context tokens
-    decode_calibration: float = 1.0
+    # Every token gap against the modelled step: the slow tail, as TBT is judged (CPU
+    # contention on a shared host can slow steps many times over).
+    decode_calibration: TailCalibration = field(default_factory=TailCalibration)
 
 
 class DecodeLoad(NamedTuple):
@@ -113,8 +112,7 @@ class LoadTracker:
         last = self._last_token_at.get(request_id)
         self._last_token_at[request_id] = now
         if last is not None and predicted_step_s:
-            ratio = min(_DEC_MAX, max(_DEC_MIN, (now - last) / predicted_step_s))
-            inst.decode_calibration += _DEC_ALPHA * (ratio - inst.decode_calibration)
+            inst.decode_calibration.add(now - last, predicted_step_s)
 
     def move_decode(self, request_id: str, decode_id: str) -> None:
         """The request's decode instance changed (the planned one refused it at admission)."""
@@ -148,7 +146,7 @@ class LoadTracker:
     def decode_calibration(self, instance_id: str) -> float:
         """Measured / modelled decode step time on this instance (1.0 until measured)."""
         inst = self._instances.get(instance_id)
-        return inst.decode_calibration if inst else 1.0
+        return inst.decode_calibration.value if inst else 1.0
 
     def decode_of(self, request_id: str) -> str | None:
         """The decode instance a request was placed on."""

@@ -43,24 +43,24 @@ async def stream_completion(url: str, prompt: list[int], max_tokens: int,
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5)) as http:
-        async with http.stream("POST", url + "/v1/completions", json=body) as r:
-            out.status = r.status_code
-            if r.status_code != 200:
-                await r.aread()
-                raise AssertionError(f"HTTP {r.status_code}: {r.text}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                out.request_id = chunk["id"]
-                out.started.set()
-                for choice in chunk.get("choices", []):
-                    out.tokens += choice.get("token_ids") or []
-                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
-                if chunk.get("usage"):
-                    details = chunk["usage"].get("prompt_tokens_details") or {}
-                    out.cached_tokens = details.get("cached_tokens")
+    async with (httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5)) as http,
+                http.stream("POST", url + "/v1/completions", json=body) as r):
+        out.status = r.status_code
+        if r.status_code != 200:
+            await r.aread()
+            raise AssertionError(f"HTTP {r.status_code}: {r.text}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            out.request_id = chunk["id"]
+            out.started.set()
+            for choice in chunk.get("choices", []):
+                out.tokens += choice.get("token_ids") or []
+                out.finish_reason = choice.get("finish_reason") or out.finish_reason
+            if chunk.get("usage"):
+                details = chunk["usage"].get("prompt_tokens_details") or {}
+                out.cached_tokens = details.get("cached_tokens")
     return out
 
 
@@ -104,7 +104,7 @@ def serving(cluster: RoleCluster, request_id: str) -> str | None:
 def metric(text: str, name: str, labels: str | None = None) -> float:
     """Sum of the samples of `name` (only those whose labels contain `labels`), 0 if none."""
     total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:_total)?(\{{[^}}]*\}})? (\S+)$", text, re.M):
+    for m in re.finditer(rf"^{re.escape(name)}(?:_total)?(\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE):
         if labels is None or labels in (m.group(1) or ""):
             total += float(m.group(2))
     return total

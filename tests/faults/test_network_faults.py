@@ -173,8 +173,9 @@ async def test_loss_delay_and_link_down_end_well(net_cluster: RoleCluster) -> No
     task = asyncio.create_task(stream_completion(cluster.url, prompt, 60, out))
     await until(lambda: len(out.tokens) >= 10 or task.done(), BOUND_S, "tokens flowing")
     if serving(cluster, out.request_id) != "decode-0":  # the scheduler chose the near one
-        r = httpx.post(cluster.url + "/internal/migrate", headers=cluster.headers,
-                       json={"request_id": out.request_id, "target": "decode-0"}, timeout=5)
+        async with httpx.AsyncClient(headers=cluster.headers, timeout=5) as http:
+            r = await http.post(cluster.url + "/internal/migrate",
+                                json={"request_id": out.request_id, "target": "decode-0"})
         assert r.status_code == 200, r.text
         await until(lambda: serving(cluster, out.request_id) == "decode-0", 10, "moved")
     seen = len(out.tokens)

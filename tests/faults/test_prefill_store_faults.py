@@ -98,10 +98,13 @@ async def test_restarted_conductor_is_rejoined_and_remembers_the_store(
         cluster: RoleCluster) -> None:
     prompt = prompt_ids(120, seed=40)
     reference = await complete(cluster.url, prompt, 8)
+    indexed = role_metric(cluster, "conductor", "mooncake_store_index_keys")
     cluster["conductor"].kill()
     cluster["conductor"].start()
     # Every instance registers again (its heartbeats get 404), store nodes re-report.
     cluster.wait_registered([n for n in cluster.procs if n != "conductor"], 120)
+    await until(lambda: role_metric(cluster, "conductor", "mooncake_store_index_keys")
+                >= indexed, 30, "store index rebuilt from the nodes' snapshots", poll_s=0.2)
     again = await complete(cluster.url, prompt, 8)
     assert again.tokens == reference.tokens
     assert again.cached_tokens is not None and again.cached_tokens >= 112

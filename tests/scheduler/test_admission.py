@@ -65,3 +65,13 @@ def test_a_job_claims_its_reservation_and_unclaimed_ones_expire() -> None:
     a.bind("r3", lambda: finished)
     finished = True  # its stream ended without a release
     assert a.committed_blocks == 5
+
+
+def test_calibration_budgets_for_the_slow_tail_of_steps() -> None:
+    from mooncake_server.scheduler.calibration import TailCalibration
+
+    cal = TailCalibration()
+    assert cal.value == 1.0
+    for i in range(100):  # most steps as modelled, one in five 3x slower (a prefill nearby)
+        cal.add(0.3 if i % 5 == 0 else 0.1, 0.1)
+    assert cal.value == pytest.approx(3.0)  # TBT is judged on the longest gaps
