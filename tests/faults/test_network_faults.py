@@ -39,8 +39,11 @@ TAG = os.getpid() % 100000
 NS_A, NS_B = f"mcfa{TAG}", f"mcfb{TAG}"
 ROOT_DEV, A_UP = f"mfr{TAG}", f"mfa{TAG}"  # root <-> A
 A_DOWN, B_DEV = f"mfx{TAG}", f"mfb{TAG}"  # A <-> B (the faulty link)
-ROOT_IP, A_UP_IP = "10.81.0.1", "10.81.0.2"
-A_IP, B_IP = "10.82.0.1", "10.82.0.2"
+# Subnets per test process too: two runs at once must not share addresses or root routes.
+NET = TAG % 250
+ROOT_NET, AB_NET = f"10.81.{NET}", f"10.82.{NET}"
+ROOT_IP, A_UP_IP = f"{ROOT_NET}.1", f"{ROOT_NET}.2"
+A_IP, B_IP = f"{AB_NET}.1", f"{AB_NET}.2"
 BOUND_S = 60.0  # no request may take longer than this, fault or not
 
 
@@ -76,12 +79,13 @@ def namespaces() -> Iterator[None]:
             sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             sh("ip", "-n", ns, "link", "set", dev, "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "route", "add", "10.82.0.0/24", "via", A_UP_IP)
+        sh("ip", "route", "add", f"{AB_NET}.0/24", "via", A_UP_IP)
         sh("sysctl", "-qw", "net.ipv4.ip_forward=1", ns=NS_A)
-        sh("ip", "route", "add", "10.81.0.0/24", "via", A_IP, ns=NS_B)
+        sh("ip", "route", "add", f"{ROOT_NET}.0/24", "via", A_IP, ns=NS_B)
         yield
     finally:
-        subprocess.run(["ip", "route", "del", "10.82.0.0/24"], capture_output=True, check=False)
+        subprocess.run(["ip", "route", "del", f"{AB_NET}.0/24"], capture_output=True,
+                       check=False)
         for ns in (NS_A, NS_B):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         subprocess.run(["ip", "link", "del", ROOT_DEV], capture_output=True, check=False)
@@ -197,7 +201,7 @@ async def test_loss_delay_and_link_down_end_well(net_cluster: RoleCluster) -> No
         assert role_metric(cluster, "decode-1", "mooncake_decode_recomputed_tokens") > recomputed
     finally:
         sh("ip", "link", "set", A_DOWN, "up", ns=NS_A)
-        sh("ip", "route", "replace", "10.81.0.0/24", "via", A_IP, ns=NS_B)
+        sh("ip", "route", "replace", f"{ROOT_NET}.0/24", "via", A_IP, ns=NS_B)
 
     # The link back: B's roles are picked again and nothing stays pinned or running.
     cluster.wait_registered(["store-0", "decode-0"], 30)
