@@ -43,6 +43,8 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
      "store DRAM fraction above which LRU eviction starts (default 0.95)"),
     ("--replicas", "store_replicas", int, "copies of each KV block across store nodes (conductor)"),
     ("--transfer-port", "transfer_port", int, "transfer engine port (0 = any)"),
+    ("--store-control-port", "store_control_port", int,
+     "store: port of the binary control channel clients use for put/get/exists (0 = any)"),
     ("--transport", "transport", str, f"transfer transport: {' | '.join(TRANSPORTS)}"),
     ("--transfer-timeout", "transfer_timeout_s", float, "seconds before a transfer fails"),
     ("--cluster-secret", "cluster_secret", str,

@@ -233,11 +233,10 @@ class DisaggregatedBackend(RequestMoves):
         decode = self._picker.pick_decode(request)
         if decode is None:
             raise BackendError("no decode instance available", 503)
-        if store.transfer_address is None or store.segment is None:
+        location = StoreLocation.of(store)
+        if location is None:
             raise BackendError(
                 f"store instance {store.instance_id} registered without a transfer address", 503)
-        location = StoreLocation(instance_id=store.instance_id, url=store.url,
-                                 transfer_address=store.transfer_address, segment=store.segment)
         return _Flow(request, keys, Placement(store, prefill, decode), location)
 
     def _pick_store(self, request: GenerateRequest, keys: list[str]) -> InstanceInfo | None:

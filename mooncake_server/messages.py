@@ -42,6 +42,7 @@ class InstanceInfo(BaseModel):
     transfer_address: str | None = None  # host:port of its transfer engine, if it serves one
     segment: str | None = None  # name of the registered memory segment others may access
     model: str | None = None
+    control_address: str | None = None  # store: host:port of its binary control channel
 
 
 class Heartbeat(BaseModel):
@@ -60,6 +61,16 @@ class StoreLocation(BaseModel):
     url: str
     transfer_address: str
     segment: str
+    control_address: str | None = None  # binary control channel; None = HTTP at `url` only
+
+    @classmethod
+    def of(cls, info: InstanceInfo) -> StoreLocation | None:
+        """The location a registered store instance advertised (None if it serves no segment)."""
+        if not info.transfer_address or not info.segment:
+            return None
+        return cls(instance_id=info.instance_id, url=info.url,
+                   transfer_address=info.transfer_address, segment=info.segment,
+                   control_address=info.control_address)
 
 
 # ---------------------------------------------------------------------------------------------

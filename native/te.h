@@ -58,6 +58,8 @@ double te_now(void);
 /* ---- CRC32C ---------------------------------------------------------------------------- */
 uint32_t te_crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t te_crc32c_sw(uint32_t crc, const void *buf, size_t len);
+/* the single-chain hardware loop te_crc32c used before it ran three chains: benchmark baseline */
+uint32_t te_crc32c_serial(uint32_t crc, const void *buf, size_t len);
 
 /* ---- wire ------------------------------------------------------------------------------- */
 /* request: magic u32, op u8, name_len u8, flags u8, pad u8, offset u64, length u64, crc u32, pad */

@@ -30,6 +30,10 @@ class KVStoreLink:
         """The (cached) client of one store node; re-created if the node moved."""
         return self.cluster.client(loc)
 
+    async def aclose(self) -> None:
+        """Close the control connections to store nodes."""
+        await self.cluster.aclose()
+
     def _addrs(self, block_ids: list[int]) -> tuple[list[int], list[int]]:
         bb = self.kv.layout.block_bytes
         return [self.kv.block_addr(b) for b in block_ids], [bb] * len(block_ids)

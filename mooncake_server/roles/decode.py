@@ -228,6 +228,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             await registrar.stop()
             await loop.stop()
             await writeback.close(config.transfer_timeout_s)
+            await link.aclose()
             await http.aclose()
             executor.shutdown(wait=True)
             engine.close()

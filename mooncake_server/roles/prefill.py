@@ -263,6 +263,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             yield
         finally:
             await registrar.stop()
+            await link.aclose()
             await http.aclose()
             executor.shutdown(wait=True)
             engine.close()

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import inspect
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -26,36 +27,28 @@ from typing import Any
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Response
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.drain import wait_until_idle
 from mooncake_server.internal_http import metrics_response, require_secret
 from mooncake_server.messages import (
     InstanceInfo,
-    StoreExistsReply,
-    StoreGet,
-    StoreGetReply,
-    StoreKeys,
     StoreLocation,
-    StorePutEnd,
-    StorePutEndReply,
-    StorePutStart,
-    StorePutStartReply,
-    StoreRelease,
-    StoreReleaseReply,
-    StoreRemoveReply,
     StoreReplicate,
     StoreReplicateReply,
 )
 from mooncake_server.registry import Registrar
 from mooncake_server.roles import common
+from mooncake_server.rpc import RpcServer, RpcUnavailable
 from mooncake_server.store.client import StoreClient, StoreError
 from mooncake_server.store.metrics import NodeCollector
 from mooncake_server.store.node import StoreNode
 from mooncake_server.store.objects import ObjectTable
 from mooncake_server.store.reporter import IndexReporter
+from mooncake_server.store.service import Call, StoreService
 from mooncake_server.store.ssd import SsdTier
-from mooncake_server.transfer import TransferEngine, crc32c
+from mooncake_server.transfer import TransferEngine, crc32c_many
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +107,13 @@ def build_app(config: ServerConfig) -> FastAPI:
             stack.push_async_callback(http.aclose)
             # Peers dial the advertised host, not the (possibly wildcard) listen address.
             address = f"{config.public_host}:{engine.address.rsplit(':', 1)[1]}"
+            rpc = RpcServer(app.state.service.rpc_handlers(), config.secret_bytes)
+            control_port = await rpc.start(config.host, config.store_control_port)
+            stack.push_async_callback(rpc.close)
+            control = f"{config.public_host}:{control_port}"
             location = StoreLocation(instance_id=instance_id, url=config.base_url,
-                                     transfer_address=address, segment=SEGMENT_NAME)
+                                     transfer_address=address, segment=SEGMENT_NAME,
+                                     control_address=control)
             runtime = StoreRuntime(engine, pool, node, location, http, config.cluster_secret)
             app.state.store = runtime
             stack.push_async_callback(_cancel, asyncio.create_task(
@@ -125,7 +123,8 @@ def build_app(config: ServerConfig) -> FastAPI:
                     _demote_forever(node), name="store-demoter"))
             if config.conductor_url:
                 info = InstanceInfo(instance_id=instance_id, role="store", url=config.base_url,
-                                    transfer_address=address, segment=SEGMENT_NAME)
+                                    transfer_address=address, segment=SEGMENT_NAME,
+                                    control_address=control)
                 registrar = Registrar(config.conductor_url, info, config.cluster_secret,
                                       config.heartbeat_interval_s)
                 await registrar.start()
@@ -138,8 +137,8 @@ def build_app(config: ServerConfig) -> FastAPI:
                 stack.push_async_callback(reporter.stop)
             else:
                 logger.warning("no conductor URL: store %s runs unregistered", instance_id)
-            logger.info("store %s up: %d bytes at segment %s via %s%s", instance_id, len(pool),
-                        SEGMENT_NAME, address,
+            logger.info("store %s up: %d bytes at segment %s via %s, control %s%s", instance_id,
+                        len(pool), SEGMENT_NAME, address, control,
                         f", SSD tier {config.store_ssd_dir}" if ssd is not None else "")
             yield
             logger.info("store %s shutting down", instance_id)
@@ -150,6 +149,8 @@ def build_app(config: ServerConfig) -> FastAPI:
     metrics = CollectorRegistry()
     metrics.register(NodeCollector(lambda: _node_or_none(app)))
     guard = [Depends(require_secret(config.cluster_secret))]
+    service = StoreService(lambda: _node_or_none(app))
+    app.state.service = service
 
     def runtime() -> StoreRuntime:
         rt: StoreRuntime | None = getattr(app.state, "store", None)
@@ -157,52 +158,11 @@ def build_app(config: ServerConfig) -> FastAPI:
             raise HTTPException(status_code=503, detail="store is starting")
         return rt
 
-    def node() -> StoreNode:
-        return runtime().node
-
     # NOTE: every route is `async def` so it runs on the event loop, which serialises all table
     # access; a plain `def` route would run in a thread pool and race.
-
-    @app.post("/store/put_start", dependencies=guard)
-    async def put_start(body: StorePutStart) -> StorePutStartReply:
-        with _bad_request():
-            res = node().put_start(body.keys, body.sizes)
-        return StorePutStartReply(offsets=res.offsets, refused=res.refused)
-
-    @app.post("/store/put_end", dependencies=guard)
-    async def put_end(body: StorePutEnd) -> StorePutEndReply:
-        with _bad_request():
-            return StorePutEndReply(committed=node().put_end(body.keys, body.checksums))
-
-    @app.post("/store/put_abort", dependencies=guard)
-    async def put_abort(body: StoreKeys) -> StoreRemoveReply:
-        return StoreRemoveReply(removed=node().put_abort(body.keys))
-
-    @app.post("/store/get", dependencies=guard)
-    async def get(body: StoreGet) -> StoreGetReply:
-        with _bad_request():
-            res = await node().get(body.keys, body.lease_s, sparse=body.sparse)
-        objs = res.objects
-        present: list[bool] = []
-        if body.sparse:
-            found = {o.key for o in objs}
-            present = [k in found for k in body.keys]
-        return StoreGetReply(lease_id=res.lease_id, found=len(objs),
-                             offsets=[o.offset for o in objs], sizes=[o.size for o in objs],
-                             checksums=[o.checksum or 0 for o in objs], present=present)
-
-    @app.post("/store/release", dependencies=guard)
-    async def release(body: StoreRelease) -> StoreReleaseReply:
-        return StoreReleaseReply(released=node().release(body.lease_id))
-
-    @app.post("/store/exists", dependencies=guard)
-    async def exists(body: StoreKeys) -> StoreExistsReply:
-        flags, prefix = node().exists(body.keys)
-        return StoreExistsReply(exists=flags, prefix=prefix)
-
-    @app.post("/store/remove", dependencies=guard)
-    async def remove(body: StoreKeys) -> StoreRemoveReply:
-        return StoreRemoveReply(removed=node().remove(body.keys))
+    for op, (model, method) in service.calls().items():
+        app.add_api_route(f"/store/{op.name.lower()}", _http_route(model, method),
+                          methods=["POST"], dependencies=guard, name=f"store_{op.name.lower()}")
 
     @app.post("/store/replicate", dependencies=guard)
     async def replicate(body: StoreReplicate) -> StoreReplicateReply:
@@ -241,10 +201,12 @@ async def _pull(rt: StoreRuntime, body: StoreReplicate) -> int:
             logger.warning("pulling %d keys from %s failed: %s", len(keys),
                            body.source.instance_id, exc)
             arrived = [False] * len(keys)
+        finally:
+            await source.aclose()
         ok = [i for i, a in enumerate(arrived) if a]
 
         def checksums() -> list[int]:
-            return [crc32c(addrs[i], sizes[i]) for i in ok]
+            return crc32c_many([addrs[i] for i in ok], [sizes[i] for i in ok])
 
         # The source already verified these bytes against its CRC32C; this is the same value.
         sums = await asyncio.to_thread(checksums)
@@ -253,18 +215,25 @@ async def _pull(rt: StoreRuntime, body: StoreReplicate) -> int:
     return sum(node.tier_of(k) is not None for k in body.keys)
 
 
+def _http_route(model: type[BaseModel], method: Call) -> Callable[[Any], Awaitable[BaseModel]]:
+    """One control call as a FastAPI endpoint taking `model` as its JSON body."""
+    async def route(body: BaseModel) -> BaseModel:
+        try:
+            reply = method(body)
+            return await reply if inspect.isawaitable(reply) else reply
+        except RpcUnavailable as exc:
+            raise HTTPException(status_code=503, detail=str(exc)) from exc
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+    # FastAPI reads the body's type from the signature; no return annotation, so the reply is
+    # serialised as the model it is.
+    route.__annotations__ = {"body": model}
+    return route
+
+
 def _node_or_none(app: FastAPI) -> StoreNode | None:
     rt: StoreRuntime | None = getattr(app.state, "store", None)
     return rt.node if rt is not None else None
-
-
-@contextlib.contextmanager
-def _bad_request() -> Iterator[None]:
-    """Turn the table's ValueError (inconsistent request) into HTTP 400."""
-    try:
-        yield
-    except ValueError as exc:
-        raise HTTPException(status_code=400, detail=str(exc)) from exc
 
 
 async def _reap_forever(node: StoreNode) -> None:

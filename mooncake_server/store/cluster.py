@@ -54,6 +54,7 @@ class StoreCluster:
         self._secret = secret
         self._headers = {**secret_headers(secret), "content-type": "application/json"}
         self._clients: dict[str, StoreClient] = {}
+        self._closing: set[asyncio.Task[None]] = set()
         self._suspect: dict[str, float] = {}
         self._clock = clock
 
@@ -61,9 +62,19 @@ class StoreCluster:
         """The (cached) client of one node; re-created if the node moved."""
         c = self._clients.get(loc.instance_id)
         if c is None or c.location != loc:
+            if c is not None:
+                closing = asyncio.create_task(c.aclose())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
             c = StoreClient(loc, self._engine, self._http, self._secret)
             self._clients[loc.instance_id] = c
         return c
+
+    async def aclose(self) -> None:
+        """Close every node client (their control connections)."""
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*self._closing, *(c.aclose() for c in clients),
+                             return_exceptions=True)
 
     async def prefix_hits(self, keys: list[str]) -> int:
         """Leading keys held by some live node (one call to the index)."""

@@ -84,10 +84,9 @@ class StoreMaster:
         """Live store nodes that can be reached over the transfer engine."""
         nodes = {}
         for info in self._registry.alive("store"):
-            if info.transfer_address and info.segment:
-                nodes[info.instance_id] = StoreLocation(
-                    instance_id=info.instance_id, url=info.url,
-                    transfer_address=info.transfer_address, segment=info.segment)
+            loc = StoreLocation.of(info)
+            if loc is not None:
+                nodes[info.instance_id] = loc
         return nodes
 
     def ring(self, alive: dict[str, StoreLocation]) -> HashRing:

@@ -131,9 +131,31 @@ class StoreNode:
         prefix = flags.index(False) if False in flags else len(flags)
         return flags, prefix
 
+    def get_now(self, keys: list[str], lease_s: float | None = None, *,
+                sparse: bool = False) -> GetResult | None:
+        """get() without waiting: None when some wanted key must first come back from SSD."""
+        wanted, from_ssd = self._wanted(keys, sparse)
+        if from_ssd:
+            return None
+        return self._lease(keys, wanted, [], lease_s, sparse)
+
     async def get(self, keys: list[str], lease_s: float | None = None, *,
                   sparse: bool = False) -> GetResult:
         """Pin the leading held keys (sparse: all held keys), rehydrating SSD-only ones first."""
+        wanted, from_ssd = self._wanted(keys, sparse)
+        temp_leases: list[str] = []
+        if from_ssd:
+            results = await asyncio.gather(*[self._rehydrate(k, temp_leases) for k in from_ssd])
+            failed = {k for k, ok in zip(from_ssd, results) if not ok}
+            if failed:
+                if sparse:
+                    wanted = [k for k in wanted if k not in failed]
+                else:
+                    wanted = wanted[:next(i for i, k in enumerate(wanted) if k in failed)]
+        return self._lease(keys, wanted, from_ssd, lease_s, sparse, temp_leases)
+
+    def _wanted(self, keys: list[str], sparse: bool) -> tuple[list[str], list[str]]:
+        """The keys a get pins (leading run, or all held if sparse) and those only on SSD."""
         wanted: list[str] = []
         from_ssd: list[str] = []
         for key in keys:
@@ -144,21 +166,18 @@ class StoreNode:
                 from_ssd.append(key)
             elif not sparse:
                 break
-        temp_leases: list[str] = []
-        if from_ssd:
-            results = await asyncio.gather(*[self._rehydrate(k, temp_leases) for k in from_ssd])
-            failed = {k for k, ok in zip(from_ssd, results) if not ok}
-            if failed:
-                if sparse:
-                    wanted = [k for k in wanted if k not in failed]
-                else:
-                    wanted = wanted[:next(i for i, k in enumerate(wanted) if k in failed)]
+        return wanted, from_ssd
+
+    def _lease(self, keys: list[str], wanted: list[str], from_ssd: list[str],
+               lease_s: float | None, sparse: bool,
+               temp_leases: list[str] | None = None) -> GetResult:
+        """Pin `wanted` under one lease and count hits by tier."""
         try:
             res = self.table.get(wanted, lease_s, sparse=sparse) if wanted else GetResult(None, [])
         finally:
-            for lease_id in temp_leases:
+            for lease_id in temp_leases or ():
                 self.table.release(lease_id)
-        ssd_hits = len(set(from_ssd) & {o.key for o in res.objects})
+        ssd_hits = len(set(from_ssd) & {o.key for o in res.objects}) if from_ssd else 0
         self._hits_ssd += ssd_hits
         self._hits_dram += len(res.objects) - ssd_hits
         self._misses += len(keys) - len(res.objects)

@@ -27,7 +27,7 @@ class IndexReporter:
 
     def __init__(self, master_url: str, node_id: str, secret: str,
                  snapshot: Callable[[], list[StoreEntry]], *, keepalive_s: float = 2.0,
-                 http: httpx.AsyncClient | None = None) -> None:
+                 coalesce_s: float = 0.02, http: httpx.AsyncClient | None = None) -> None:
         """`snapshot()` returns everything the node holds, synchronously (a consistent cut)."""
         self._url = master_url.rstrip("/") + "/internal/store/report"
         self.node_id = node_id
@@ -35,6 +35,7 @@ class IndexReporter:
         self._headers = {**secret_headers(secret), "content-type": "application/json"}
         self._snapshot = snapshot
         self._keepalive_s = keepalive_s
+        self._coalesce_s = coalesce_s
         self._http = http
         self._own_http = http is None
         self._pending: dict[str, StoreEntry] = {}
@@ -87,6 +88,10 @@ class IndexReporter:
             finally:
                 timer.cancel()
             self._wake.clear()
+            if not self._need_snapshot and self._coalesce_s > 0:
+                # NOTE: one report per burst of puts, not one per put: each POST costs this
+                # node's event loop ~1 ms that its readers would otherwise wait behind.
+                await asyncio.sleep(self._coalesce_s)
             try:
                 await self._send_once()
                 delay = 0.05

@@ -75,6 +75,7 @@ def cluster(tiny_model_dir: str) -> Iterator[LiveCluster]:
         store = httpx.get(live.urls["store"] + "/health", timeout=5).json()
         live.store_transfer_address = store["transfer_address"]
         live.store_segment = store["segment"]
+        live.store_control_address = store["control_address"]
         yield live
     finally:
         servers.stop()

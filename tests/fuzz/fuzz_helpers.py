@@ -102,6 +102,7 @@ class LiveCluster:
     urls: dict[str, str]
     store_transfer_address: str = ""
     store_segment: str = ""
+    store_control_address: str = ""
     sockets: list[socket.socket] = field(default_factory=list)
 
     @property

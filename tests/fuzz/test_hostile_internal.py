@@ -4,6 +4,7 @@ proof is a normal chat completion through conductor, prefill, store and decode a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -20,6 +21,8 @@ from hypothesis import strategies as st
 from mooncake_server.internal_http import secret_headers
 from mooncake_server.messages import InstanceInfo
 from mooncake_server.registry import Registrar, RegistrationError
+from mooncake_server.rpc import RpcClient, RpcError, RpcStatus
+from mooncake_server.store.service import StoreOp
 from mooncake_server.transfer import TransferEngine, TransferError
 
 EXAMPLES_PER_ENDPOINT = 15
@@ -104,8 +107,12 @@ def test_intruder_cannot_open_the_store_pool(cluster: LiveCluster) -> None:
         assert good.segment_size(handle) == 64 << 20
 
 
-def test_random_bytes_on_the_transfer_port_are_refused(cluster: LiveCluster) -> None:
-    host, port = cluster.store_transfer_address.rsplit(":", 1)
+@pytest.mark.parametrize("port_of", ["transfer", "control"])
+def test_random_bytes_on_the_store_ports_are_refused(cluster: LiveCluster, port_of: str) -> None:
+    """The transfer engine's port and the store's control channel both shrug garbage off."""
+    address = (cluster.store_transfer_address if port_of == "transfer"
+               else cluster.store_control_address)
+    host, port = address.rsplit(":", 1)
     payloads = [b"", os.urandom(7), os.urandom(64), os.urandom(100_000),
                 b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 4096, b"\xff" * 64]
     idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(8)]
@@ -120,7 +127,9 @@ def test_random_bytes_on_the_transfer_port_are_refused(cluster: LiveCluster) -> 
                 pass  # a reset (or ENOTCONN after one) is a refusal too
     for sock in idle:  # half-open, never-authenticated connections go away too
         sock.close()
-    test_intruder_cannot_open_the_store_pool(cluster)  # the listener still serves
+    test_intruder_cannot_open_the_store_pool(cluster)  # the listeners still serve
+    assert asyncio.run(_control_call(cluster, SECRET.encode(), StoreOp.EXISTS,
+                                     b'{"keys": []}')) == b'{"exists":[],"prefix":0}'
     body = chat_ok(cluster.url, "KV still crosses the store after the garbage?")
     assert body["choices"][0]["finish_reason"] in ("length", "stop")
 
@@ -139,3 +148,44 @@ def test_prompts_stay_out_of_the_logs(cluster: LiveCluster,
     logged: list[Any] = [rec.getMessage() + str(rec.exc_text or "") for rec in caplog.records]
     assert logged, "nothing was captured: the check would prove nothing"
     assert not [m for m in logged if marker in m]
+
+
+async def _control_call(cluster: LiveCluster, secret: bytes, op: int, payload: bytes) -> bytes:
+    client = RpcClient(cluster.store_control_address, secret, timeout_s=5.0)
+    try:
+        return await client.call(op, payload)
+    finally:
+        await client.aclose()
+
+
+def test_store_control_channel_needs_the_secret_and_refuses_malformed_calls(
+        cluster: LiveCluster) -> None:
+    """No put/get/exists over the binary channel without the secret; with it, random payloads
+    to every op are refused as bad requests (never an internal error), and the store serves on."""
+    for secret in (b"wrong-secret", b""):
+        with pytest.raises(RpcError, match="refused our credentials"):
+            asyncio.run(_control_call(cluster, secret, StoreOp.GET, b'{"keys": ["k"]}'))
+
+    async def fuzz(payloads: list[bytes]) -> list[RpcStatus | None]:
+        client = RpcClient(cluster.store_control_address, SECRET.encode(), timeout_s=5.0)
+        seen = []
+        try:
+            for op in [*StoreOp, 200]:
+                for payload in payloads:
+                    try:
+                        await client.call(op, payload)
+                        seen.append(RpcStatus.OK)
+                    except RpcError as exc:
+                        seen.append(exc.status)
+        finally:
+            await client.aclose()
+        return seen
+
+    payloads = [b"", b"null", b"[]", b"{}", b'{"keys": 7}', b'{"keys": ["a"], "sizes": [-1]}',
+                b'{"keys": ["a", "b"], "sizes": [1]}', b'{"keys": ["a"], "checksums": []}',
+                b'{"lease_id": 5}', os.urandom(64), b"\xff" * 300]
+    seen = asyncio.run(fuzz(payloads))
+    assert RpcStatus.INTERNAL not in seen and None not in seen, seen
+    assert RpcStatus.BAD_REQUEST in seen and RpcStatus.UNKNOWN_OP in seen
+    body = chat_ok(cluster.url, "KV still crosses the store after the bad calls?")
+    assert body["choices"][0]["finish_reason"] in ("length", "stop")

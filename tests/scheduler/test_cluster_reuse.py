@@ -60,9 +60,9 @@ def store_location(c: Cluster) -> StoreLocation:
     items = raw["instances"] if isinstance(raw, dict) else raw
     store = next(InstanceStatus.model_validate(i).info for i in items
                  if i["info"]["role"] == "store")
-    return StoreLocation(instance_id=store.instance_id, url=store.url,
-                         transfer_address=store.transfer_address or "",
-                         segment=store.segment or "")
+    loc = StoreLocation.of(store)
+    assert loc is not None, "the store registered without a segment"
+    return loc
 
 
 def prefill(c: Cluster, which: int, ids: list[int], reuse: str, rid: str) -> PrefillResult:
