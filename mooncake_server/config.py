@@ -201,7 +201,7 @@ class ServerConfig:
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file into flag-name -> value (dashes or underscores accepted)."""
-    import yaml
+    import yaml  # type: ignore[import-untyped]
 
     data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):

@@ -50,6 +50,7 @@ from mooncake_server.messages import (
     InstanceInfo,
     PrefillJob,
     PrefillResult,
+    Reuse,
     StoreKeys,
     StoreLocation,
 )
@@ -269,7 +270,7 @@ class DisaggregatedBackend(RequestMoves):
         flow.placement = flow.placement._replace(decode=decode)
         flow.reserved_on = decode
 
-    def _prefill_reuse(self, request: GenerateRequest) -> str:
+    def _prefill_reuse(self, request: GenerateRequest) -> Reuse:
         """What the prefill may reuse (`PrefillJob.reuse`): the picker's call, else everything."""
         reuse = getattr(self._picker, "prefill_reuse", None)
         return reuse(request) if reuse is not None else "global"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from fastapi import Header, HTTPException, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -57,7 +57,7 @@ def scope_has_secret(scope: Scope, secret: str) -> bool:
     return same_secret(bearer_token(header_value(scope, "authorization")), secret)
 
 
-def require_secret(secret: str) -> Callable[..., None]:
+def require_secret(secret: str) -> Callable[..., Awaitable[None]]:
     """FastAPI dependency that refuses internal calls without the cluster secret (401)."""
 
     # NOTE: async so FastAPI runs it on the loop; a plain def costs a thread-pool hop per call.

@@ -13,6 +13,9 @@ from pydantic import BaseModel, Field
 SECRET_HEADER = "X-Mooncake-Secret"
 
 
+# What a prefill may reuse: its local cache only, local + the store, or nothing (recompute).
+Reuse = Literal["local", "global", "none"]
+
 class SamplingParams(BaseModel):
     """How to pick the next token; temperature 0 means greedy."""
 
@@ -88,7 +91,7 @@ class PrefillJob(BaseModel):
     # Which cached prefix the instance may reuse (the conductor's policy decides):
     # "local" = only blocks in its own paged pool, "global" = also fetch the rest of the cached
     # prefix from the store, "none" = compute every token.
-    reuse: Literal["local", "global", "none"] = "global"
+    reuse: Reuse = "global"
 
 
 class PrefillResult(BaseModel):

@@ -52,7 +52,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # NOTE: the weights are plain dequantized tensors now; drop the GGUF quantizer so
     # save_pretrained writes an ordinary checkpoint that loads without gguf/accelerate.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = DEFAULT_MODEL_NAME

@@ -68,7 +68,8 @@ def paged_attention_forward(
     if paged_ctx is None:
         raise RuntimeError("mooncake paged attention called without a PagedContext")
     kv_heads, head_dim = key.shape[1], key.shape[3]
-    k_off = 2 * module.layer_idx * paged_ctx.block_tokens  # type: ignore[attr-defined]
+    layer_idx: int = module.layer_idx  # type: ignore[attr-defined,assignment]
+    k_off = 2 * layer_idx * paged_ctx.block_tokens
     v_off = k_off + paged_ctx.block_tokens
     rows = paged_ctx.pool_rows
     # NOTE: index_copy_ on the contiguous row view writes only the new slots; indexing the
