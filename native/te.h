@@ -1,7 +1,7 @@
 /* Shared declarations of the mooncake-server transfer engine (no Python here).
  *
  * Layout of the native side, one job per file:
- *   te_crc32c.c  CRC32C (SSE4.2 with a table fallback)
+ *   te_crc32c.c  CRC32C (SSE4.2 with a table fallback), copy+CRC in one pass, combining CRCs
  *   te_wire.c    deadline-bounded socket I/O, frame encoding, HMAC handshake
  *   te_server.c  registered regions + the listener serving READ/WRITE/INFO frames
  *   te_client.c  peers, pooled connections, open_segment, one slice over shm, RDMA or TCP
@@ -60,6 +60,15 @@ uint32_t te_crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t te_crc32c_sw(uint32_t crc, const void *buf, size_t len);
 /* the single-chain hardware loop te_crc32c used before it ran three chains: benchmark baseline */
 uint32_t te_crc32c_serial(uint32_t crc, const void *buf, size_t len);
+/* memcpy(dst, src, len) that returns the CRC32C (continued from crc) of what it wrote, in one
+ * pass: the shm transport's checksummed copy */
+uint32_t te_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t len);
+/* crc(A|B) from crc(A), crc(B) and len(B) */
+uint32_t te_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+/* The same in two steps, for many pieces of one length: zeros(n) once (~1 us), then
+ * crc(A|B) = shift(crc(A), zeros(len(B))) ^ crc(B) at ~32 steps each. */
+uint32_t te_crc32c_zeros(uint64_t nbytes);
+uint32_t te_crc32c_shift(uint32_t crc, uint32_t zeros);
 
 /* ---- wire ------------------------------------------------------------------------------- */
 /* request: magic u32, op u8, name_len u8, flags u8, pad u8, offset u64, length u64, crc u32, pad */
@@ -119,6 +128,10 @@ void te_decode_qp(const uint8_t in[TE_QP_INFO_LEN], te_qp_info *q);
 /* deadline: absolute te_now() seconds, 0 = wait forever; stop_fd readable aborts (-1 = none). */
 int te_wait_fd(int fd, short events, double deadline, int stop_fd, te_err *e);
 int te_recv_all(int fd, void *buf, size_t len, double deadline, int stop_fd, te_err *e);
+/* te_recv_all that also folds what it received into *crc (CRC32C, continued), a piece at a time
+ * right after it lands, so the bytes are checksummed while still in cache. */
+int te_recv_all_crc(int fd, void *buf, size_t len, double deadline, int stop_fd, te_err *e,
+                    uint32_t *crc);
 int te_send_all(int fd, const struct iovec *iov, int iovcnt, double deadline, int stop_fd,
                 te_err *e);
 int te_handshake_server(int fd, const uint8_t *secret, size_t secret_len, double deadline,
@@ -185,7 +198,14 @@ typedef struct te_request {
     struct te_batch *batch;
     double submitted_at;
     uint64_t next_off;   /* dispatch cursor, guarded by queue_mu */
+    uint64_t slice_len;  /* what it is cut into: slice i covers [i * slice_len, ...) */
     int slices_left;     /* atomic */
+    /* READ with want_crc: each slice's worker computes the CRC32C of the bytes it landed, while
+     * they are hot in cache, into slice_crcs[i] (crc itself when there is one slice); the last
+     * slice to finish combines them in offset order into crc. */
+    int want_crc;
+    uint32_t crc;
+    uint32_t *slice_crcs;
     int failed;          /* atomic: later slices skip once set */
     int state;           /* guarded by batch_mu */
     char msg[TE_MSG_LEN];/* first failure, guarded by batch_mu */
@@ -321,5 +341,13 @@ te_batch *te_batch_get(te_engine *eng, uint64_t id); /* batch_mu held by caller 
 int te_batch_submit(te_engine *eng, uint64_t id, te_request *reqs, size_t n, te_err *e);
 int te_batch_free(te_engine *eng, uint64_t id, te_err *e);
 int te_batch_wait(te_engine *eng, uint64_t id, double timeout_s, te_err *e);
+/* Free a batch and what its requests own (batch_mu held, or the engine closed). */
+void te_batch_destroy(te_batch *b);
+/* Whether the worker running a slice of r should checksum what it lands, and where it puts it. */
+static inline int te_req_crc_wanted(const te_request *r)
+{
+    return r->want_crc && r->op == TE_REQ_READ;
+}
+void te_req_put_crc(te_request *r, uint64_t off, uint32_t crc);
 
 #endif

@@ -28,11 +28,18 @@ te_batch *te_batch_get(te_engine *eng, uint64_t id)
     return b && b->id == id && !b->freed ? b : NULL;
 }
 
+void te_batch_destroy(te_batch *b)
+{
+    for (size_t i = 0; i < b->n; i++)
+        free(b->reqs[i].slice_crcs);
+    free(b->reqs);
+    free(b);
+}
+
 static void release_slot(te_engine *eng, te_batch *b)
 {
     eng->slots[b->id & SLOT_MASK] = NULL;
-    free(b->reqs);
-    free(b);
+    te_batch_destroy(b);
 }
 
 uint64_t te_batch_alloc(te_engine *eng, size_t n, te_err *e)
@@ -103,6 +110,7 @@ int te_batch_submit(te_engine *eng, uint64_t id, te_request *reqs, size_t n, te_
     }
     te_request *first = b->reqs + b->n, *head = NULL, *tail = NULL;
     double now = te_now();
+    size_t pending = 0;
     for (size_t i = 0; i < n; i++) {
         te_request *r = first + i;
         *r = reqs[i];
@@ -112,20 +120,32 @@ int te_batch_submit(te_engine *eng, uint64_t id, te_request *reqs, size_t n, te_
         r->failed = 0;
         r->msg[0] = 0;
         r->qnext = NULL;
+        r->crc = 0; /* also the CRC32C of an empty read */
+        r->slice_crcs = NULL;
         if (r->len == 0) {
             r->state = TE_STATE_DONE;
             continue;
         }
         r->state = TE_STATE_PENDING;
-        uint64_t slice = slice_for(eng, r);
-        r->slices_left = (int)((r->len + slice - 1) / slice);
-        b->pending++;
+        r->slice_len = slice_for(eng, r);
+        r->slices_left = (int)((r->len + r->slice_len - 1) / r->slice_len);
+        if (te_req_crc_wanted(r) && r->slices_left > 1 &&
+            !(r->slice_crcs = malloc(sizeof(uint32_t) * (size_t)r->slices_left))) {
+            for (size_t j = 0; j < i; j++)
+                free(first[j].slice_crcs);
+            pthread_mutex_unlock(&eng->batch_mu);
+            te_err_set(e, "out of memory for the checksums of %llu bytes",
+                       (unsigned long long)r->len);
+            return -1;
+        }
+        pending++;
         if (tail)
             tail->qnext = r;
         else
             head = r;
         tail = r;
     }
+    b->pending += pending;
     b->n += n;
     int done_now = b->pending == 0;
     pthread_mutex_unlock(&eng->batch_mu);
@@ -204,10 +224,32 @@ static void record_failure(te_engine *eng, te_request *r, const char *why)
     pthread_mutex_unlock(&eng->batch_mu);
 }
 
+void te_req_put_crc(te_request *r, uint64_t off, uint32_t crc)
+{
+    /* each slot has one writer; slice_done's acq_rel decrement publishes it to the combiner */
+    if (r->slice_crcs)
+        r->slice_crcs[off / r->slice_len] = crc;
+    else
+        r->crc = crc;
+}
+
+/* crc of the whole request from its slices' (all but the last are slice_len long). */
+static void combine_slices(te_request *r)
+{
+    int n = (int)((r->len + r->slice_len - 1) / r->slice_len);
+    uint32_t step = te_crc32c_zeros(r->slice_len), crc = r->slice_crcs[0];
+    for (int i = 1; i < n - 1; i++)
+        crc = te_crc32c_shift(crc, step) ^ r->slice_crcs[i];
+    uint64_t last = r->len - (uint64_t)(n - 1) * r->slice_len;
+    r->crc = te_crc32c_combine(crc, r->slice_crcs[n - 1], last);
+}
+
 static void slice_done(te_engine *eng, te_request *r)
 {
     if (__atomic_sub_fetch(&r->slices_left, 1, __ATOMIC_ACQ_REL) != 0)
         return;
+    if (r->slice_crcs && !__atomic_load_n(&r->failed, __ATOMIC_ACQUIRE))
+        combine_slices(r); /* on this worker, before the request is seen as done */
     if (r->local_region)
         te_region_unref(eng, r->local_region);
     pthread_mutex_lock(&eng->batch_mu);

@@ -39,9 +39,11 @@ static int frame_send(te_engine *eng, int fd, const te_req_hdr *h_in, const char
     return te_send_all(fd, iov, 3, deadline, eng->stop_fd, e);
 }
 
-/* Read the response to h; its payload (INFO, READ, RDMA_CONNECT) lands in data (data_len). */
+/* Read the response to h; its payload (INFO, READ, RDMA_CONNECT) lands in data (data_len).
+ * crc (NULL: not wanted) receives the CRC32C of the payload, computed as it arrives. */
 static int frame_recv(te_engine *eng, int fd, const te_req_hdr *h, uint8_t *data,
-                      uint64_t data_len, te_resp_hdr *resp, double deadline, te_err *e)
+                      uint64_t data_len, te_resp_hdr *resp, double deadline, te_err *e,
+                      uint32_t *crc)
 {
     uint8_t raw[TE_RESP_HDR_LEN];
     int rc = te_recv_all(fd, raw, sizeof raw, deadline, eng->stop_fd, e);
@@ -75,14 +77,16 @@ static int frame_recv(te_engine *eng, int fd, const te_req_hdr *h, uint8_t *data
         return TE_IO_ERROR;
     }
     /* READ lands straight in the caller's registered memory */
-    return want ? te_recv_all(fd, data, (size_t)want, deadline, eng->stop_fd, e) : 0;
+    if (crc)
+        *crc = 0;
+    return want ? te_recv_all_crc(fd, data, (size_t)want, deadline, eng->stop_fd, e, crc) : 0;
 }
 
 int te_tcp_frame(te_engine *eng, int fd, const te_req_hdr *h, const char *name, uint8_t *data,
                  uint64_t data_len, te_resp_hdr *resp, double deadline, te_err *e)
 {
     int rc = frame_send(eng, fd, h, name, data, deadline, e);
-    return rc ? rc : frame_recv(eng, fd, h, data, data_len, resp, deadline, e);
+    return rc ? rc : frame_recv(eng, fd, h, data, data_len, resp, deadline, e, NULL);
 }
 
 /* ---- transport selection ---------------------------------------------------------------- */
@@ -281,26 +285,31 @@ static int crc_mismatch(te_err *e, const char *op, uint32_t sent, uint32_t got)
     return TE_CRC_ERROR;
 }
 
-static int shm_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t roff,
-                     uint64_t len, te_err *e)
+static int shm_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t off,
+                     uint64_t roff, uint64_t len, te_err *e)
 {
     te_segment *s = req->seg;
     uint8_t *remote = s->map + roff;
     uint8_t *src = req->op == TE_REQ_READ ? remote : local;
     uint8_t *dst = req->op == TE_REQ_READ ? local : remote;
-    uint32_t before = eng->verify_crc ? te_crc32c(0, src, len) : 0;
-    memcpy(dst, src, len);
-    if (eng->verify_crc) {
-        uint32_t after = te_crc32c(0, dst, len);
-        if (after != before)
-            return crc_mismatch(e, req->op == TE_REQ_READ ? "READ" : "WRITE", before, after);
+    int want = te_req_crc_wanted(req);
+    if (!want && !eng->verify_crc) {
+        memcpy(dst, src, len);
+        return 0;
     }
+    uint32_t before = eng->verify_crc ? te_crc32c(0, src, len) : 0;
+    /* one pass: the CRC is of exactly the bytes written, computed as they are copied */
+    uint32_t after = te_crc32c_copy(0, dst, src, len);
+    if (eng->verify_crc && after != before)
+        return crc_mismatch(e, req->op == TE_REQ_READ ? "READ" : "WRITE", before, after);
+    if (want)
+        te_req_put_crc(req, off, after);
     return 0;
 }
 
 /* One RDMA attempt; the caller falls back to TCP when it fails. */
-static int rdma_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t roff,
-                      uint64_t len, te_err *e)
+static int rdma_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t off,
+                      uint64_t roff, uint64_t len, te_err *e)
 {
     te_segment *s = req->seg;
     te_peer *p = s->peer;
@@ -311,8 +320,16 @@ static int rdma_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t 
     int rc = te_rdma_post(c, req->op, local, req->local_region->lkey, s->rdma_addr + roff,
                           s->rkey, len, deadline, eng->stop_fd, e);
     te_rdma_pool_release(p, c, rc == 0);
-    if (rc || !eng->verify_crc)
+    if (rc)
         return rc;
+    /* the NIC wrote the bytes, no CPU saw them: read them back once, after completion */
+    int want = te_req_crc_wanted(req);
+    uint32_t mine = want || eng->verify_crc ? te_crc32c(0, local, len) : 0;
+    if (!eng->verify_crc) {
+        if (want)
+            te_req_put_crc(req, off, mine);
+        return 0;
+    }
     /* one-sided: the peer's CPU never saw the bytes, so ask it for the CRC of the range */
     int fd = te_pool_acquire(eng, p, 0, deadline, 0, e);
     if (fd < 0)
@@ -323,11 +340,12 @@ static int rdma_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t 
     te_pool_release(p, fd, rc == 0 || rc == TE_REMOTE_ERROR);
     if (rc)
         return rc;
-    uint32_t mine = te_crc32c(0, local, len);
     if (mine != resp.crc)
         return req->op == TE_REQ_READ
                    ? crc_mismatch(e, "RDMA READ", resp.crc, mine)
                    : crc_mismatch(e, "RDMA WRITE", mine, resp.crc);
+    if (want)
+        te_req_put_crc(req, off, mine);
     return 0;
 }
 
@@ -341,26 +359,29 @@ static te_req_hdr data_hdr(te_engine *eng, const te_request *req, const uint8_t 
     return h;
 }
 
-/* The response to a data frame, with the READ-side CRC check. */
-static int data_recv(te_engine *eng, int fd, const te_req_hdr *h, uint8_t *local,
-                     double deadline, te_err *e)
+/* The response to a data frame of req (its slice at off), with the READ-side CRC check; a
+ * READ's CRC32C is computed as the bytes arrive when the check or the request wants it. */
+static int data_recv(te_engine *eng, int fd, te_request *req, uint64_t off,
+                     const te_req_hdr *h, uint8_t *local, double deadline, te_err *e)
 {
     te_resp_hdr resp;
-    int rc = frame_recv(eng, fd, h, local, h->length, &resp, deadline, e);
-    if (!rc && eng->verify_crc && h->op == TE_OP_READ) {
-        uint32_t got = te_crc32c(0, local, h->length);
-        if (got != resp.crc)
-            rc = crc_mismatch(e, "READ", resp.crc, got);
-    }
+    int want = te_req_crc_wanted(req);
+    int sum = h->op == TE_OP_READ && (want || eng->verify_crc);
+    uint32_t got = 0;
+    int rc = frame_recv(eng, fd, h, local, h->length, &resp, deadline, e, sum ? &got : NULL);
+    if (!rc && eng->verify_crc && h->op == TE_OP_READ && got != resp.crc)
+        rc = crc_mismatch(e, "READ", resp.crc, got);
+    if (!rc && want)
+        te_req_put_crc(req, off, got);
     return rc;
 }
 
-static int tcp_attempt(te_engine *eng, te_request *req, int fd, uint8_t *local, uint64_t roff,
-                       uint64_t len, double deadline, te_err *e)
+static int tcp_attempt(te_engine *eng, te_request *req, int fd, uint8_t *local, uint64_t off,
+                       uint64_t roff, uint64_t len, double deadline, te_err *e)
 {
     te_req_hdr h = data_hdr(eng, req, local, roff, len);
     int rc = frame_send(eng, fd, &h, req->seg->name, local, deadline, e);
-    return rc ? rc : data_recv(eng, fd, &h, local, deadline, e);
+    return rc ? rc : data_recv(eng, fd, req, off, &h, local, deadline, e);
 }
 
 static void mark_failed(te_peer *p, const char *why)
@@ -371,8 +392,8 @@ static void mark_failed(te_peer *p, const char *why)
     pthread_mutex_unlock(&p->mu);
 }
 
-static int tcp_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t roff,
-                     uint64_t len, te_err *e)
+static int tcp_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t off,
+                     uint64_t roff, uint64_t len, te_err *e)
 {
     te_peer *p = req->seg->peer;
     double deadline = te_now() + eng->timeout_s;
@@ -383,7 +404,7 @@ static int tcp_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t r
         if (fd < 0) {
             rc = fd;
         } else {
-            rc = tcp_attempt(eng, req, fd, local, roff, len, deadline, e);
+            rc = tcp_attempt(eng, req, fd, local, off, roff, len, deadline, e);
             /* error frames and CRC verdicts leave the stream in sync: keep the connection */
             int in_sync = rc == 0 || rc == TE_REMOTE_ERROR || rc == TE_CRC_ERROR;
             te_pool_release(p, fd, in_sync);
@@ -424,7 +445,7 @@ int te_run_slice(te_engine *eng, te_request *req, uint64_t off, uint64_t len, te
         return TE_REMOTE_ERROR;
     }
     if (s->transport == TE_TRANSPORT_SHM)
-        return shm_slice(eng, req, local, roff, len, e);
+        return shm_slice(eng, req, local, off, roff, len, e);
 
     te_peer *p = s->peer;
     char rdma_why[TE_MSG_LEN] = {0};
@@ -433,7 +454,7 @@ int te_run_slice(te_engine *eng, te_request *req, uint64_t off, uint64_t len, te
         int skip = p->rdma_failed_at > 0 && p->rdma_failed_at >= req->submitted_at;
         pthread_mutex_unlock(&p->mu);
         if (!skip) {
-            int rc = rdma_slice(eng, req, local, roff, len, e);
+            int rc = rdma_slice(eng, req, local, off, roff, len, e);
             if (rc == 0 || rc == TE_IO_STOPPED)
                 return rc;
             memcpy(rdma_why, e->msg, sizeof rdma_why);
@@ -442,7 +463,7 @@ int te_run_slice(te_engine *eng, te_request *req, uint64_t off, uint64_t len, te
             pthread_mutex_unlock(&p->mu);
         }
     }
-    int rc = tcp_slice(eng, req, local, roff, len, e);
+    int rc = tcp_slice(eng, req, local, off, roff, len, e);
     if (rc && rdma_why[0]) {
         char tcp_why[TE_MSG_LEN];
         memcpy(tcp_why, e->msg, sizeof tcp_why);
@@ -473,7 +494,7 @@ void te_run_group(te_engine *eng, te_request **reqs, int n, int *rcs, te_err *er
             rc = frame_send(eng, fd, &hs[sent], s->name, reqs[sent]->local, deadline, &e);
         }
         for (int i = 0; !rc && i < sent; i++) {
-            int r = data_recv(eng, fd, &hs[i], reqs[i]->local, deadline, &errs[i]);
+            int r = data_recv(eng, fd, reqs[i], 0, &hs[i], reqs[i]->local, deadline, &errs[i]);
             if (r == 0 || r == TE_REMOTE_ERROR)
                 rcs[i] = r;
             else if (r != TE_CRC_ERROR) /* CRC: the stream is in sync, retry that one alone */

@@ -176,8 +176,7 @@ static PyObject *Engine_close(Engine *self, PyObject *unused)
     }
     for (size_t i = 0; i < eng->n_slots; i++) {
         if (eng->slots[i]) {
-            free(eng->slots[i]->reqs);
-            free(eng->slots[i]);
+            te_batch_destroy(eng->slots[i]);
             eng->slots[i] = NULL;
         }
     }
@@ -303,7 +302,8 @@ static PyObject *Engine_submit_transfer(Engine *self, PyObject *args)
 {
     unsigned long long batch;
     PyObject *seq;
-    if (!PyArg_ParseTuple(args, "KO", &batch, &seq) || te_py_enter(self))
+    int checksums = 0;
+    if (!PyArg_ParseTuple(args, "KO|p", &batch, &seq, &checksums) || te_py_enter(self))
         return NULL;
     te_py_leave(self);
     PyObject *fast = PySequence_Fast(seq, "requests must be a sequence");
@@ -325,6 +325,7 @@ static PyObject *Engine_submit_transfer(Engine *self, PyObject *args)
             break;
         te_request *r = &reqs[i];
         r->op = op;
+        r->want_crc = checksums;
         r->local = (uint8_t *)(uintptr_t)local;
         r->remote_off = roff;
         r->len = len;
@@ -384,6 +385,47 @@ static PyObject *Engine_status(Engine *self, PyObject *args)
     memcpy(msg, b->reqs[i].msg, sizeof msg);
     pthread_mutex_unlock(&eng->batch_mu);
     return Py_BuildValue("(iN)", state, te_py_msg_str(msg));
+}
+
+/* Per request of a completed batch: the CRC32C of the bytes a READ submitted with checksums
+ * landed, None for the rest (WRITEs, READs without checksums, failed requests). */
+static PyObject *Engine_checksums(Engine *self, PyObject *args)
+{
+    unsigned long long batch;
+    if (!PyArg_ParseTuple(args, "K", &batch) || te_py_enter(self))
+        return NULL;
+    te_py_leave(self);
+    te_engine *eng = self->eng;
+    pthread_mutex_lock(&eng->batch_mu);
+    te_batch *b = te_batch_get(eng, batch);
+    if (!b || b->pending) {
+        pthread_mutex_unlock(&eng->batch_mu);
+        return PyErr_Format(PyExc_ValueError, b ? "batch %llu is still running"
+                                                : "unknown batch id %llu", batch);
+    }
+    /* NOTE: copied out first: no Python allocation while batch_mu is held */
+    size_t n = b->n;
+    int64_t *crc = PyMem_Malloc(sizeof *crc * (n ? n : 1));
+    if (!crc) {
+        pthread_mutex_unlock(&eng->batch_mu);
+        return PyErr_NoMemory();
+    }
+    for (size_t i = 0; i < n; i++) {
+        const te_request *r = &b->reqs[i];
+        crc[i] = te_req_crc_wanted(r) && r->state == TE_STATE_DONE ? (int64_t)r->crc : -1;
+    }
+    pthread_mutex_unlock(&eng->batch_mu);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        PyObject *v = crc[i] < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(crc[i]);
+        if (!v) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, v);
+    }
+    PyMem_Free(crc);
+    return list;
 }
 
 /* (done, first_failed_index or -1, message) in one lock round trip */
@@ -491,6 +533,8 @@ static PyMethodDef Engine_methods[] = {
     {"submit_transfer", (PyCFunction)Engine_submit_transfer, METH_VARARGS, "Queue requests."},
     {"status", (PyCFunction)Engine_status, METH_VARARGS, "(state, message) of a request."},
     {"poll", (PyCFunction)Engine_poll, METH_VARARGS, "(done, failed_index, message)."},
+    {"checksums", (PyCFunction)Engine_checksums, METH_VARARGS,
+     "Per request of a completed batch: CRC32C of what a checksummed READ landed, else None."},
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS, "Block (GIL released) until done."},
     {"free_batch", (PyCFunction)Engine_free_batch, METH_VARARGS, "Release a batch id."},
     {"drain_notify", (PyCFunction)Engine_drain_notify, METH_NOARGS, "Reset notify_fd."},

@@ -227,12 +227,11 @@ static int serve_frame(te_engine *eng, int fd, const te_req_hdr *h, const char *
         rc = te_send_all(fd, iov, 2, deadline, eng->stop_fd, NULL) ? -1 : 0;
     } else {
         /* NOTE: a truncated stream leaves a partly written range; its sender saw the slice fail */
-        uint32_t got = 0;
-        if (te_recv_all(fd, r->addr + h->offset, (size_t)h->length, deadline, eng->stop_fd,
-                        NULL)) {
+        uint32_t got = 0; /* summed as the payload arrives, while it is in cache */
+        if (te_recv_all_crc(fd, r->addr + h->offset, (size_t)h->length, deadline, eng->stop_fd,
+                            NULL, want_crc ? &got : NULL)) {
             rc = -1;
-        } else if (want_crc &&
-                   (got = te_crc32c(0, r->addr + h->offset, (size_t)h->length)) != h->crc) {
+        } else if (want_crc && got != h->crc) {
             rc = send_status(eng, fd, deadline, TE_STATUS_CRC,
                              "CRC32C mismatch on WRITE: sender computed 0x%08x, receiver got "
                              "0x%08x", h->crc, got) ? -1 : 0;

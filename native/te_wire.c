@@ -196,15 +196,30 @@ int te_wait_fd(int fd, short events, double deadline, int stop_fd, te_err *e)
     }
 }
 
+/* Received bytes are checksummed once this many have piled up (or at the end): recv hands out
+ * pieces of any size, and a CRC call per tiny piece would cost more than it saves, while 64 KiB
+ * still sits in L2 when its CRC runs. */
+#define RECV_CRC_PIECE (64u << 10)
+
 int te_recv_all(int fd, void *buf, size_t len, double deadline, int stop_fd, te_err *e)
 {
-    uint8_t *p = buf;
+    return te_recv_all_crc(fd, buf, len, deadline, stop_fd, e, NULL);
+}
+
+int te_recv_all_crc(int fd, void *buf, size_t len, double deadline, int stop_fd, te_err *e,
+                    uint32_t *crc)
+{
+    uint8_t *p = buf, *unsummed = buf;
     size_t total = len;
     while (len > 0) {
         ssize_t n = recv(fd, p, len, MSG_DONTWAIT);
         if (n > 0) {
             p += n;
             len -= (size_t)n;
+            if (crc && ((size_t)(p - unsummed) >= RECV_CRC_PIECE || len == 0)) {
+                *crc = te_crc32c(*crc, unsummed, (size_t)(p - unsummed));
+                unsummed = p;
+            }
             continue;
         }
         if (n == 0) {

@@ -184,6 +184,34 @@ out:
     return result;
 }
 
+/* (dst, src, length): the shm transport's one-pass copy + CRC32C, exposed for its tests */
+static PyObject *mod_crc32c_copy_addr(PyObject *m, PyObject *args)
+{
+    (void)m;
+    unsigned long long dst, src, len;
+    if (!PyArg_ParseTuple(args, "KKK", &dst, &src, &len))
+        return NULL;
+    if ((!dst || !src) && len) {
+        PyErr_SetString(PyExc_ValueError, "crc32c_copy_addr: NULL address");
+        return NULL;
+    }
+    uint32_t c;
+    Py_BEGIN_ALLOW_THREADS
+    c = te_crc32c_copy(0, (void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)len);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(c);
+}
+
+static PyObject *mod_crc32c_combine(PyObject *m, PyObject *args)
+{
+    (void)m;
+    unsigned int a, b;
+    unsigned long long len_b;
+    if (!PyArg_ParseTuple(args, "IIK", &a, &b, &len_b))
+        return NULL;
+    return PyLong_FromUnsignedLong(te_crc32c_combine(a, b, len_b));
+}
+
 static PyObject *mod_crc32c_software(PyObject *m, PyObject *args)
 {
     (void)m;
@@ -241,6 +269,10 @@ static PyMethodDef module_methods[] = {
     {"crc32c", mod_crc32c, METH_VARARGS, "CRC32C of a buffer (hardware when available)."},
     {"crc32c_addr", mod_crc32c_addr, METH_VARARGS, "CRC32C of raw memory (address, length)."},
     {"crc32c_software", mod_crc32c_software, METH_VARARGS, "Table CRC32C (for tests)."},
+    {"crc32c_copy_addr", mod_crc32c_copy_addr, METH_VARARGS,
+     "Copy length bytes src -> dst in one pass, returning the CRC32C of what was written."},
+    {"crc32c_combine", mod_crc32c_combine, METH_VARARGS,
+     "crc32c(A + B) from crc32c(A), crc32c(B) and len(B)."},
     {"crc32c_addr_serial", mod_crc32c_addr_serial, METH_VARARGS,
      "Single-chain hardware CRC32C of raw memory (the benchmark's baseline)."},
     {"crc32c_many", mod_crc32c_many, METH_VARARGS,

@@ -2,7 +2,7 @@
 """Transfer-engine benchmark: GB/s and p50/p99 latency of the shm and TCP transports, against
 baselines measured in the same run.
 
-    .venv/bin/python scripts/bench_transfer.py [--budget 0.6] [--no-mooncake]
+    .venv/bin/python scripts/bench_transfer.py [--budget 0.6] [--no-mooncake] [--no-checksums]
 
 Every case READs from a segment served by another process into local memory: one request of
 64 KiB / 1 MiB / 16 MiB / 64 MiB ("1x"), and the same bytes as a batch of 64 slices ("64x",
@@ -11,6 +11,9 @@ asyncio streams (what a naive implementation gets), (c) blocking sockets with re
 a pure-Python path gets), (d) Mooncake's own TransferEngine over TCP when importable
 (`pip install -e '.[bench]'`, needs Debian's libibverbs1; it binds wildcard addresses, so it runs
 inside `unshare -n`). Prints a table, then each transport's ratio against each baseline.
+Checksummed READs (skip with --no-checksums): "+crc" has the engine compute each request's
+CRC32C as its bytes land (checksums=True), "+2pass" is a plain READ followed by crc32c_many over
+what landed; both are compared with each other and with the plain READ.
 """
 
 from __future__ import annotations
@@ -183,8 +186,11 @@ def bench_memcpy(budget: float) -> list[Result]:
     return out
 
 
-def bench_engine(address: str, budget: float) -> list[Result]:
-    from mooncake_server.transfer import Op, TransferEngine, TransferRequest
+def bench_engine(address: str, budget: float, checksums: bool) -> list[Result]:
+    """READs over shm and TCP; with `checksums`, also each READ checksummed by the engine as it
+    lands ("+crc") and, as its baseline, a plain READ then a CRC32C pass over what landed
+    ("+2pass", what a reader verifying its bytes did before)."""
+    from mooncake_server.transfer import Op, TransferEngine, TransferRequest, crc32c_many
 
     out = []
     for transport in ("shm", "tcp"):
@@ -197,13 +203,25 @@ def bench_engine(address: str, budget: float) -> list[Result]:
                 for mode in ("1x", "64x"):
                     reqs = [TransferRequest(Op.READ, base + off, handle, off, n)
                             for off, n in pieces(size, mode)]
+                    addrs, sizes = [r.local_addr for r in reqs], [r.length for r in reqs]
 
-                    def once(reqs: list[TransferRequest] = reqs) -> None:
+                    def once(reqs: list[TransferRequest] = reqs, fused: bool = False,
+                             second_pass: bool = False, addrs: list[int] = addrs,
+                             sizes: list[int] = sizes) -> None:
                         batch = engine.allocate_batch(len(reqs))
-                        engine.submit_transfer(batch, reqs)
+                        engine.submit_transfer(batch, reqs, fused)
                         engine.wait_sync(batch)
+                        if fused:
+                            engine.get_checksums(batch)
                         engine.free_batch(batch)
+                        if second_pass:
+                            crc32c_many(addrs, sizes)
                     out.append(measure(transport, size, mode, once, budget))
+                    if checksums:
+                        out.append(measure(f"{transport}+crc", size, mode,
+                                           lambda once=once: once(fused=True), budget))
+                        out.append(measure(f"{transport}+2pass", size, mode,
+                                           lambda once=once: once(second_pass=True), budget))
     return out
 
 
@@ -325,7 +343,8 @@ def human(size: int) -> str:
 
 def report(results: list[Result], mooncake_note: str) -> None:
     by = {(r.method, r.size, r.mode): r for r in results}
-    methods = [m for m in ("shm", "tcp", "memcpy", "recv_into", "asyncio", "mooncake")
+    methods = [m for m in ("shm", "shm+crc", "shm+2pass", "tcp", "tcp+crc", "tcp+2pass",
+                           "memcpy", "recv_into", "asyncio", "mooncake")
                if any(r.method == m for r in results)]
     print(f"\n{'size':>7} {'batch':>5} {'method':>10} {'GB/s':>8} {'p50 us':>10} "
           f"{'p99 us':>10} {'iters':>6}")
@@ -353,6 +372,21 @@ def report(results: list[Result], mooncake_note: str) -> None:
                 mark = "" if size < MiB else (" ok" if ratio >= target else " LOW")
                 cells.append(f"{f'{ratio:.2f}x [{target}]{mark}':>16}")
             print(f"{human(size):>7} {mode:>5} " + " ".join(cells))
+    if any(r.method == "shm+crc" for r in results):
+        print("\nchecksummed READs, GB/s ratios: fused (engine CRCs as bytes land) against a "
+              "second pass, and against no checksum")
+        print(f"{'size':>7} {'batch':>5} {'shm fused/2pass':>16} {'shm fused/plain':>16} "
+              f"{'tcp fused/2pass':>16} {'tcp fused/plain':>16}")
+        for size in SIZES:
+            for mode in ("1x", "64x"):
+                cells = []
+                for t in ("shm", "tcp"):
+                    fused = by.get((f"{t}+crc", size, mode))
+                    for base in (f"{t}+2pass", t):
+                        other = by.get((base, size, mode))
+                        cells.append(f"{fused.gbps / other.gbps:15.2f}x" if fused and other
+                                     else f"{'-':>16}")
+                print(f"{human(size):>7} {mode:>5} " + " ".join(cells))
     if tcp := by.get(("tcp", 64 * KiB, "1x")):
         verdict = "ok" if tcp.p50_us < 200 else "LOW"
         print(f"\n64 KiB TCP round trip p50: {tcp.p50_us:.0f} us [target < 200 us] {verdict}")
@@ -364,6 +398,8 @@ def main() -> None:
                         help="seconds of measurement per case (default 0.6)")
     parser.add_argument("--no-mooncake", action="store_true",
                         help="skip Mooncake's TransferEngine baseline")
+    parser.add_argument("--no-checksums", action="store_true",
+                        help="skip the checksummed-READ rows (fused and second pass)")
     parser.add_argument("--mooncake-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mooncake_worker:
@@ -375,7 +411,8 @@ def main() -> None:
     results: list[Result] = []
     try:
         for name, run in (("memcpy", lambda: bench_memcpy(args.budget)),
-                          ("shm + tcp", lambda: bench_engine(address, args.budget)),
+                          ("shm + tcp", lambda: bench_engine(address, args.budget,
+                                                             not args.no_checksums)),
                           ("recv_into", lambda: bench_recv_into(blocking_port, args.budget)),
                           ("asyncio", lambda: bench_asyncio(asyncio_port, args.budget))):
             print(f"measuring {name}...", file=sys.stderr, flush=True)

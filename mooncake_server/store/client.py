@@ -4,8 +4,9 @@ Control messages go over the node's binary RPC channel (one persistent authentic
 calls pipelined; HTTP only for a node that advertises no channel); the bytes move only through the
 transfer engine, one-sided, between the caller's registered memory and the store's registered pool:
   put: put_start (reserve) -> one engine.transfer() of WRITEs -> put_end (commit), or put_abort
-  get: get (lease) -> one engine.transfer() of READs -> verify CRC32C -> release (always; sent
-       in the background, so the reader does not wait for it)
+  get: get (lease) -> one engine.transfer() of READs, each checksummed by the engine as it lands
+       -> compare with the stored CRC32C -> release (always; sent in the background, so the
+       reader does not wait for it)
 """
 
 from __future__ import annotations
@@ -208,16 +209,19 @@ class StoreClient:
                                      f"expected {sizes[i]}")
             handle = await self._segment_handle()
             try:
-                await self._engine.transfer([
+                # The engine checksums each block as it lands (fused with the copy / recv, on
+                # its worker threads): no second pass over the bytes, no thread hop here.
+                landed = await self._engine.transfer([
                     TransferRequest(Op.READ, addrs[i], handle, reply.offsets[j], sizes[i])
                     for j, i in enumerate(idx)
-                ])
+                ], checksums=True)
             except (TransferError, OSError) as exc:
                 raise StoreError(f"reading {len(idx)} blocks from store "
                                  f"{self._location.instance_id} failed: {exc}") from exc
             args = ([keys[i] for i in idx], [addrs[i] for i in idx], [sizes[i] for i in idx],
-                    reply.checksums[:len(idx)])
-            if sum(args[2]) > _INLINE_VERIFY_BYTES:
+                    reply.checksums[:len(idx)], landed)
+            unsummed = sum(n for n, crc in zip(args[2], landed) if crc is None)
+            if unsummed > _INLINE_VERIFY_BYTES:
                 await asyncio.to_thread(_verify, *args)
             else:
                 _verify(*args)
@@ -315,8 +319,19 @@ class StoreClient:
             logger.warning("releasing lease %s failed: %s", lease_id, exc)
 
 
-def _verify(keys: list[str], addrs: list[int], sizes: list[int], expected: list[int]) -> None:
-    """Raise ChecksumError for the first block whose bytes do not match its stored CRC32C."""
-    for key, got, want in zip(keys, crc32c_many(addrs, sizes), expected):
-        if got != want:
-            raise ChecksumError(key, want, got)
+def _verify(keys: list[str], addrs: list[int], sizes: list[int], expected: list[int],
+            landed: list[int | None] | None = None) -> None:
+    """Raise ChecksumError for the first block whose bytes do not match its stored CRC32C.
+
+    `landed`: CRCs the transfer engine computed as the bytes landed (None where it could not);
+    only blocks without one are read again here.
+    """
+    got: list[int | None] = list(landed) if landed is not None else [None] * len(keys)
+    missing = [j for j, crc in enumerate(got) if crc is None]
+    if missing:
+        for j, crc in zip(missing, crc32c_many([addrs[j] for j in missing],
+                                               [sizes[j] for j in missing])):
+            got[j] = crc
+    for key, got_crc, want in zip(keys, got, expected):
+        if got_crc != want:
+            raise ChecksumError(key, want, got_crc if got_crc is not None else 0)

@@ -14,6 +14,7 @@ from mooncake_server.transfer.engine import (
     TransferState,
     TransferStatus,
     crc32c,
+    crc32c_combine,
     crc32c_many,
 )
 from mooncake_server.transfer.errors import TransferError
@@ -28,6 +29,7 @@ __all__ = [
     "TransferState",
     "TransferStatus",
     "crc32c",
+    "crc32c_combine",
     "crc32c_many",
     "pick_transport",
     "probe_rdma_devices",

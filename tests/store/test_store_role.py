@@ -23,6 +23,7 @@ from mooncake_server.messages import (
     StoreReportReply,
 )
 from mooncake_server.roles.store import StoreRuntime, build_app
+from mooncake_server.store import client as client_module
 from mooncake_server.store.client import ChecksumError, StoreClient, StoreError
 from mooncake_server.transfer import TransferEngine, crc32c
 
@@ -185,6 +186,25 @@ async def test_corrupted_block_raises_checksum_error(side: Side, store: StoreHar
     assert err.value.key == keys[3] and keys[3] in str(err.value)
     await side.client.settle()
     assert store.runtime.table.stats().active_leases == 0  # released on the error path too
+
+
+async def test_get_verifies_with_the_engines_checksums_not_a_second_pass(
+        side: Side, store: StoreHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the transfer engine checksums each block as it lands: the client never re-reads the bytes
+    def second_pass(addrs: list[int], sizes: list[int]) -> list[int]:
+        raise AssertionError("get re-read the blocks to checksum them")
+
+    monkeypatch.setattr(client_module, "crc32c_many", second_pass)
+    keys = keys_for(12)
+    assert all(await put_blocks(side, keys))
+    assert await get_blocks(side, keys) == 12
+    assert bytes(side.dst[:12 * BLOCK]) == bytes(side.src[:12 * BLOCK])
+    victim = store.runtime.table.lookup(keys[7])
+    assert victim is not None
+    store.runtime.pool[victim.offset + BLOCK - 1] ^= 0x01  # the very last byte of the block
+    with pytest.raises(ChecksumError) as err:
+        await get_blocks(side, keys)
+    assert err.value.key == keys[7]
 
 
 async def test_get_stops_at_first_missing_key(side: Side) -> None:
