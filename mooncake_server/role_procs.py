@@ -247,16 +247,19 @@ class RoleCluster:
     def leftovers(self, idle_free_blocks: dict[str, int]) -> dict[str, float]:
         """What is still held anywhere; all zero once the cluster is idle and leaks nothing.
 
-        Requests in the conductor, leases and write reservations in the store nodes, running
-        sequences, write-back pins and KV blocks missing from each decode instance's free pool
-        (against `idle_free_blocks`, its count when idle).
+        Requests in the conductor (its request table, the scheduler's placements, the API's
+        open streams), leases (pinned blocks) and write reservations in the store nodes,
+        running sequences, write-back pins and KV blocks missing from each decode instance's
+        free pool (against `idle_free_blocks`, its count when idle).
         """
         out: dict[str, float] = {}
         for name, proc in self.procs.items():
             if not proc.running():
                 continue
             text = self.metrics(name)
-            names = {"conductor": ["mooncake_conductor_requests_running"],
+            names = {"conductor": ["mooncake_conductor_requests_running",
+                                   "mooncake_scheduler_in_flight",
+                                   "mooncake_api_requests_running"],
                      "store": ["mooncake_store_active_leases", "mooncake_store_writing_objects"],
                      "decode": ["mooncake_decode_writeback_held_blocks"]}.get(proc.role, [])
             for metric in names:

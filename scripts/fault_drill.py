@@ -16,6 +16,8 @@ separate processes. Each round injects, in turn, while --streams greedy completi
   conductor      restart the conductor between batches; the next batch must work
 Afterwards every prompt is run again on the healthy cluster: a stream survived when its tokens
 equal that uninterrupted output. Lost / duplicated tokens are counted by aligning the two.
+At the end the cluster must be idle again: nothing in flight, leased (pinned), reserved, or
+held by a decode instance (its /metrics and free KV blocks against the count before the drill).
 """
 
 from __future__ import annotations
@@ -270,14 +272,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--log-dir", help="role logs (default: a temporary directory)")
     a = p.parse_args(argv)
     with launch(Path(a.log_dir or mkdtemp(prefix="mooncake-drill-"))) as cluster:
+        idle = cluster.free_blocks()
         tallies = asyncio.run(_main_async(a, cluster))
+        left = cluster.wait_idle(idle)  # store leases of a killed client expire in 30 s
     print(f"{'fault':<14}{'injected':>9}{'survived':>9}{'requests':>9}{'lost':>6}"
           f"{'tok lost':>9}{'tok dup':>8}{'moves':>7}")
     total = Tally(*(sum(getattr(t, f) for t in tallies.values()) for f in Tally.__annotations__))
     for kind, t in [*tallies.items(), ("total", total)]:
         print(f"{kind:<14}{t.injected:>9}{t.survived:>9}{t.requests:>9}{t.requests_lost:>6}"
               f"{t.tokens_lost:>9}{t.tokens_duplicated:>8}{t.moves:>7}")
-    ok = total.requests_lost == total.tokens_lost == total.tokens_duplicated == 0
+    print("left in flight / pinned after the drill:", left or "nothing")
+    ok = total.requests_lost == total.tokens_lost == total.tokens_duplicated == 0 and not left
     sys.exit(0 if ok and total.survived == total.injected else 1)
 
 

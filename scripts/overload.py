@@ -254,13 +254,13 @@ def print_result(r: OverloadResult, duration_s: float, factor: float) -> None:
 def print_memory(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> None:
     """RSS per role before / after, in all and its private (anon) part, with ratios."""
     print(f"{'role':<12}{'RSS before':>11}{'after':>8}{'ratio':>7}"
-          f"{'anon before':>13}{'after':>8}{'ratio':>7}{'shmem after':>13}")
+          f"{'anon before':>13}{'after':>8}{'ratio':>7}{'shmem before':>14}{'after':>8}")
     for name, b in before.items():
         a = after.get(name, {})
         print(f"{name:<12}{b['rss'] / MiB:>9.0f}Mi{a.get('rss', 0) / MiB:>6.0f}Mi"
               f"{a.get('rss', 0) / b['rss']:>7.3f}{b['anon'] / MiB:>11.0f}Mi"
               f"{a.get('anon', 0) / MiB:>6.0f}Mi{a.get('anon', 0) / b['anon']:>7.3f}"
-              f"{a.get('shmem', 0) / MiB:>11.0f}Mi")
+              f"{b.get('shmem', 0) / MiB:>12.0f}Mi{a.get('shmem', 0) / MiB:>6.0f}Mi")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -134,13 +134,17 @@ def print_result(r: SoakResult) -> None:
     """The figures."""
     print(f"{r.requests} requests in {r.seconds:.0f} s ({r.requests / r.seconds:.1f} req/s): "
           f"{r.ok} ok, {r.failed} failed {r.errors or ''}")
+    # shmem is the KV pool / registered buffers, resident as their pages are first touched
+    # (bounded by the configured sizes); anon is the heap, where a leak would show.
     print(f"{'role':<12}{'RSS before':>11}{'after':>8}{'ratio':>7}{'anon before':>13}"
-          f"{'after':>8}{'ratio':>7}{'anon growth / 1k req':>22}")
+          f"{'after':>8}{'ratio':>7}{'shmem before':>14}{'after':>8}"
+          f"{'anon growth / 1k req':>22}")
     for name, b in r.memory_before.items():
         a = r.memory_after.get(name, {})
         print(f"{name:<12}{b['rss'] / MiB:>9.0f}Mi{a.get('rss', 0) / MiB:>6.0f}Mi"
               f"{a.get('rss', 0) / b['rss']:>7.3f}{b['anon'] / MiB:>11.0f}Mi"
               f"{a.get('anon', 0) / MiB:>6.0f}Mi{a.get('anon', 0) / b['anon']:>7.3f}"
+              f"{b.get('shmem', 0) / MiB:>12.0f}Mi{a.get('shmem', 0) / MiB:>6.0f}Mi"
               f"{r.anon_growth_per_1000(name) / MiB:>20.2f}Mi")
     if r.anon_samples:
         print("anon RSS (MiB) every tenth of the run:")

@@ -68,7 +68,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def get_metrics():  # noqa: ANN202
+    async def get_metrics():
         """Prometheus metrics."""
         return metrics_response(registry)
 
