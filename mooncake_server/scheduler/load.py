@@ -23,6 +23,9 @@ from mooncake_server.scheduler.calibration import TailCalibration
 # instance look idle or dead.
 _CAL_ALPHA = 0.3
 _CAL_MIN, _CAL_MAX = 0.25, 8.0
+# The hand-off gap is modelled as this many decode steps (wait for the running step, then the
+# request's own) before its calibration; the KV load rides inside the calibrated factor.
+HANDOFF_STEPS = 2.0
 
 
 @dataclass
@@ -43,6 +46,10 @@ class _Instance:
     # Every token gap against the modelled step: the slow tail, as TBT is judged (CPU
     # contention on a shared host can slow steps many times over).
     decode_calibration: TailCalibration = field(default_factory=TailCalibration)
+    # The gap between a request's first token (prefill) and its second (decode's first step):
+    # the hand-off (decode job, KV load, joining the batch), against HANDOFF_STEPS modelled
+    # steps. With short outputs it is the longest gap, so it decides the request's TBT.
+    handoff_calibration: TailCalibration = field(default_factory=TailCalibration)
 
 
 class DecodeLoad(NamedTuple):
@@ -61,6 +68,7 @@ class LoadTracker:
         self._prefill_of: dict[str, str] = {}  # request id -> prefill instance
         self._decode_of: dict[str, str] = {}  # request id -> decode instance
         self._last_token_at: dict[str, float] = {}  # request id -> its previous token's arrival
+        self._first_token_at: dict[str, float] = {}  # request id -> prefill's token, until decode's
 
     def _get(self, instance_id: str) -> _Instance:
         return self._instances.setdefault(instance_id, _Instance())
@@ -83,6 +91,7 @@ class LoadTracker:
             return
         inst = self._get(prefill_id)
         now = self._clock()
+        self._first_token_at[request_id] = now
         for i, entry in enumerate(inst.prefill):
             if entry.request_id == request_id:
                 started = max(entry.assigned_at, inst.last_done_at)
@@ -111,8 +120,13 @@ class LoadTracker:
         now = self._clock()
         last = self._last_token_at.get(request_id)
         self._last_token_at[request_id] = now
-        if last is not None and predicted_step_s:
+        first = self._first_token_at.pop(request_id, None)
+        if not predicted_step_s:
+            return
+        if last is not None:
             inst.decode_calibration.add(now - last, predicted_step_s)
+        elif first is not None:
+            inst.handoff_calibration.add(now - first, HANDOFF_STEPS * predicted_step_s)
 
     def move_decode(self, request_id: str, decode_id: str) -> None:
         """The request's decode instance changed (the planned one refused it at admission)."""
@@ -124,6 +138,7 @@ class LoadTracker:
         self._decode_of[request_id] = decode_id
         # The next gap includes the move (loading KV): it must not calibrate either instance.
         self._last_token_at.pop(request_id, None)
+        self._first_token_at.pop(request_id, None)
 
     def finished(self, request_id: str) -> None:
         """The request ended (any outcome): forget it everywhere."""
@@ -135,6 +150,7 @@ class LoadTracker:
         if decode_id is not None:
             self._get(decode_id).decode.pop(request_id, None)
         self._last_token_at.pop(request_id, None)
+        self._first_token_at.pop(request_id, None)
 
     # ---- views --------------------------------------------------------------------------------
 
@@ -142,6 +158,11 @@ class LoadTracker:
         """Measured / estimated prefill time on this instance (1.0 until measured)."""
         inst = self._instances.get(instance_id)
         return inst.calibration if inst else 1.0
+
+    def handoff_calibration(self, instance_id: str) -> float:
+        """Measured / modelled hand-off gaps of a decode instance (their slow tail)."""
+        inst = self._instances.get(instance_id)
+        return inst.handoff_calibration.value if inst else 1.0
 
     def decode_calibration(self, instance_id: str) -> float:
         """Measured / modelled decode step time on this instance (1.0 until measured)."""

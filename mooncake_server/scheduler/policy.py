@@ -36,7 +36,7 @@ from mooncake_server.scheduler.estimators import (
     estimate_tbt,
     reusable_blocks,
 )
-from mooncake_server.scheduler.load import LoadTracker
+from mooncake_server.scheduler.load import HANDOFF_STEPS, LoadTracker
 from mooncake_server.scheduler.oracle import STORE_WIDE, NoPrefixOracle, PrefixOracle
 from mooncake_server.scheduler.perf_model import PerfModel
 
@@ -174,8 +174,12 @@ class KVCacheScheduler:
         beat = self.registry.load(info.instance_id)
         load = self.tracker.decode_load(info.instance_id, beat)
         n = len(request.prompt_token_ids)
-        cal = self.tracker.decode_calibration(info.instance_id)
-        tbt = estimate_tbt(self.model, load, n) * cal
+        step = estimate_tbt(self.model, load, n)
+        # The request's worst gap: a steady step, or its hand-off from prefill (usually the
+        # longer one, and with short outputs the one its TBT is judged on).
+        iid = info.instance_id
+        tbt = max(step * self.tracker.decode_calibration(iid),
+                  HANDOFF_STEPS * step * self.tracker.handoff_calibration(iid))
         need = -(-(n + request.sampling.max_tokens) // self.block_tokens)
         fits = beat is None or beat.free_blocks is None or beat.free_blocks >= need
         return _DecodeChoice(info, tbt, fits)

@@ -102,10 +102,31 @@ async def test_accepts_when_one_instance_can_meet_the_slo() -> None:
 
 
 async def test_rejects_when_tbt_slo_cannot_be_met() -> None:
-    s = scheduler("cache-global", tbt_slo=0.05, decode=1)
+    s = scheduler("cache-global", tbt_slo=0.1, decode=1)
     for i in range(5):
         s.tracker.assign(f"run{i}", "p1", 0.0, "d1", 100)
-    await s.plan(request("ok", 100), keys(100))  # a batch of 6: 20 + 6 × 5 = 50 ms, at the SLO
+    # A batch of 6 steps in 20 + 6 × 5 = 50 ms; the request's hand-off from prefill is budgeted
+    # as two steps (the running one, then its own): 100 ms, at the SLO.
+    await s.plan(request("ok", 100), keys(100))
+    with pytest.raises(SLORejected, match="TBT"):
+        await s.plan(request("r", 100), keys(100))
+
+
+async def test_measured_hand_offs_raise_the_tbt_estimate() -> None:
+    """Slow hand-offs (KV load, joining a busy batch) are learnt: a request whose steady steps
+    would meet the SLO is refused once its first decode gap is known to break it."""
+    clock = Clock()  # the ledger's own, so instances' heartbeats stay fresh
+    s = scheduler("cache-global", tbt_slo=0.1, decode=1)
+    s.tracker = LoadTracker(clock)
+    await s.plan(request("fits", 100), keys(100))  # alone: 2 × 25 ms = 50 ms
+    for i in range(20):  # earlier requests each waited 250 ms (10 modelled steps) for decode
+        rid = f"done{i}"
+        s.tracker.assign(rid, "p1", 0.0, "d1", 100)
+        s.tracker.prefill_done(rid)
+        clock.now += 0.25
+        s.tracker.token(rid, 0.025)
+        s.tracker.finished(rid)
+    s.release("fits")
     with pytest.raises(SLORejected, match="TBT"):
         await s.plan(request("r", 100), keys(100))
 
