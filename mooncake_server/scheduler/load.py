@@ -48,8 +48,10 @@ class _Instance:
     decode_calibration: TailCalibration = field(default_factory=TailCalibration)
     # The gap between a request's first token (prefill) and its second (decode's first step):
     # the hand-off (decode job, KV load, joining the batch), against HANDOFF_STEPS modelled
-    # steps. With short outputs it is the longest gap, so it decides the request's TBT.
-    handoff_calibration: TailCalibration = field(default_factory=TailCalibration)
+    # steps. With short outputs it is the longest gap, so it decides the request's TBT; one per
+    # request, so the quantile kept is about the share of requests meant to meet the SLO.
+    handoff_calibration: TailCalibration = field(
+        default_factory=lambda: TailCalibration(quantile=0.98))
 
 
 class DecodeLoad(NamedTuple):
