@@ -175,6 +175,23 @@ async def test_put_then_get_moves_the_exact_bytes(
     assert conductor.reports[0].snapshot
 
 
+async def test_a_node_without_a_control_channel_is_reached_over_http(
+        side: Side, store: StoreHarness) -> None:
+    """Clients of a node that advertises no binary channel fall back to its HTTP routes."""
+    assert store.runtime.location.control_address  # the channel is the normal path
+    http_only = store.runtime.location.model_copy(update={"control_address": None})
+    side.client = StoreClient(http_only, side.engine, store.http, SECRET)
+    keys = keys_for(4, "http")
+    assert await put_blocks(side, keys) == [True] * 4
+    assert await side.client.prefix_hits(keys) == 4
+    assert await get_blocks(side, keys) == 4
+    assert bytes(side.dst[:4 * BLOCK]) == bytes(side.src[:4 * BLOCK])
+    await side.client.settle()
+    assert store.runtime.table.stats().active_leases == 0
+    await side.client.remove(keys)
+    assert await side.client.prefix_hits(keys) == 0
+
+
 async def test_corrupted_block_raises_checksum_error(side: Side, store: StoreHarness) -> None:
     keys = keys_for(5)
     assert all(await put_blocks(side, keys))
