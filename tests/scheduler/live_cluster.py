@@ -7,56 +7,20 @@ The apps share one event loop in a background thread, so tests drive them with b
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import uvicorn
+from live_servers import ServerThread, bound_socket
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.roles import app_for_role
 
 SECRET = "sched-cluster-secret"
 BLOCK = 4  # tokens per KV block
-CONTEXT = 128
 DECODE_BLOCKS = 64  # the decode pool: two worst-case requests of the 128-token context
-
-
-class _Servers:
-    """Uvicorn servers sharing one event loop in a daemon thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self._servers: list[tuple[uvicorn.Server, Any]] = []
-
-    def serve(self, app: Any, sock: socket.socket) -> None:
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-        task = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self.loop)
-        self._servers.append((server, task))
-        deadline = time.monotonic() + 60
-        while not server.started:
-            if task.done():
-                task.result()
-                raise RuntimeError("server exited during start-up")
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start in time")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        for server, task in reversed(self._servers):
-            server.should_exit = True
-            with contextlib.suppress(Exception):
-                task.result(timeout=30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
 
 
 @dataclass
@@ -85,16 +49,13 @@ def _config(role: str, port: int, model: str, **extra: Any) -> ServerConfig:
     return ServerConfig(**{**settings, **extra})
 
 
-def start(model: str, policy: str) -> tuple[Cluster, _Servers, list[socket.socket]]:
+def start(model: str, policy: str) -> tuple[Cluster, ServerThread, list[socket.socket]]:
     """Start every role; returns once the conductor sees all of them."""
-    servers, sockets, c = _Servers(), [], Cluster()
+    servers, sockets, c = ServerThread(), [], Cluster()
 
     def serve(role: str, **extra: Any) -> str:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
+        sock, port = bound_socket()
         sockets.append(sock)
-        port = sock.getsockname()[1]
         if role != "conductor":
             extra["conductor_url"] = c.conductor
         servers.serve(app_for_role(_config(role, port, model, **extra)), sock)

@@ -7,8 +7,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import torch
-from live_cluster import BLOCK, CONTEXT, Cluster, start
+from live_cluster import BLOCK, Cluster, start
 
 from mooncake_server.block_keys import block_keys, kv_namespace
 from mooncake_server.messages import (
@@ -21,27 +20,8 @@ from mooncake_server.messages import (
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A random 2-layer Llama with the default model's tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from mooncake_server.model_assets import resolve_model
-
-    out = tmp_path_factory.mktemp("tiny-model")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                      max_position_embeddings=CONTEXT, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model: str) -> Iterator[Cluster]:
-    c, servers, sockets = start(tiny_model, policy="cache-global")
+def cluster(tiny_model_dir: str) -> Iterator[Cluster]:
+    c, servers, sockets = start(tiny_model_dir, policy="cache-global")
     try:
         yield c
     finally:

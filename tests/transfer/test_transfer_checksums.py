@@ -5,26 +5,13 @@ received), slices combined in offset order; WRITEs and failed requests get None.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
-from transfer_helpers import SECRET, SEED, SEG_BYTES, KiB, MiB, Peer, Proxy, address_of, start_peer
+from transfer_helpers import SECRET, SEG_BYTES, KiB, MiB, Peer, Proxy, address_of
 
 from mooncake_server.transfer import Op, TransferEngine, TransferError, TransferRequest, crc32c
 
 SLICE = 64 * KiB  # the client's slice size: shm and TCP both cut requests at 64 KiB here
-
-
-@pytest.fixture(scope="module")
-def peer() -> Iterator[Peer]:
-    p = start_peer()
-    yield p
-    p.stop()
-
-
-@pytest.fixture(scope="module")
-def expected() -> bytes:
-    return random.Random(SEED).randbytes(SEG_BYTES)
 
 
 def client(transport: str, **kw: object) -> TransferEngine:

@@ -9,7 +9,6 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Iterator
 
 import pytest
 from transfer_helpers import (
@@ -25,19 +24,6 @@ from transfer_helpers import (
 )
 
 from mooncake_server.transfer import Op, TransferEngine, TransferError, TransferRequest, crc32c
-
-
-@pytest.fixture(scope="module")
-def peer() -> Iterator[Peer]:
-    p = start_peer()
-    yield p
-    p.stop()
-
-
-@pytest.fixture(scope="module")
-def expected() -> bytes:
-    return random.Random(SEED).randbytes(SEG_BYTES)
-
 
 # (remote offset, length), disjoint: 64 KiB .. 16 MiB, aligned and not, up to the very end
 RANGES = [(0, 64 * KiB), (70_001, 1 * MiB + 777), (5 * MiB, 16 * MiB), (SEG_BYTES - 3 * MiB,

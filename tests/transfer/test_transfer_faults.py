@@ -3,7 +3,6 @@ corrupted bytes, and truncated streams are refused clearly in both directions.""
 
 from __future__ import annotations
 
-import random
 import socket
 import struct
 import threading
@@ -20,7 +19,6 @@ from transfer_helpers import (
     REQ_HDR,
     RESP_HDR,
     SECRET,
-    SEED,
     SEG_BYTES,
     MiB,
     Peer,
@@ -28,22 +26,9 @@ from transfer_helpers import (
     address_of,
     client_handshake,
     server_handshake,
-    start_peer,
 )
 
 from mooncake_server.transfer import Op, TransferEngine, TransferError, TransferRequest, crc32c
-
-
-@pytest.fixture(scope="module")
-def peer() -> Iterator[Peer]:
-    p = start_peer()
-    yield p
-    p.stop()
-
-
-@pytest.fixture(scope="module")
-def expected() -> bytes:
-    return random.Random(SEED).randbytes(SEG_BYTES)
 
 
 @pytest.fixture

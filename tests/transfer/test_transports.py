@@ -11,7 +11,7 @@ import types
 from collections.abc import Iterator
 
 import pytest
-from transfer_helpers import SECRET, Peer, start_peer
+from transfer_helpers import SECRET, Peer
 
 from mooncake_server.transfer import (
     TransferEngine,
@@ -120,10 +120,3 @@ def test_named_device_that_does_not_exist_is_refused() -> None:
         pytest.skip("built without infiniband/verbs.h: rdma_device is never opened")
     with pytest.raises(TransferError, match="not available"):
         TransferEngine(secret=SECRET, transport="rdma", rdma_device="no_such_nic0")
-
-
-@pytest.fixture(scope="module")
-def peer() -> Iterator[Peer]:
-    p = start_peer()
-    yield p
-    p.stop()
