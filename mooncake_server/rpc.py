@@ -103,6 +103,33 @@ class _Frames:
         del buf[:pos]
 
 
+class _FramedProtocol(asyncio.Protocol):
+    """One end of a connection: the handshake first, then whole frames to `_on_frame`."""
+
+    _frames: _Frames | None = None  # set once the handshake is done
+
+    def data_received(self, data: bytes) -> None:
+        if self._frames is None:
+            data = self._handshake(data)
+            if self._frames is None:
+                return
+        try:
+            for call_id, op, status, payload in self._frames.feed(data):
+                self._on_frame(call_id, op, status, payload)
+        except FrameTooLarge as exc:
+            self._on_oversized(exc)
+
+    def _handshake(self, data: bytes) -> bytes:
+        """Consume handshake bytes; set `_frames` when done and return what follows."""
+        raise NotImplementedError
+
+    def _on_frame(self, call_id: int, op: int, status: int, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _on_oversized(self, exc: FrameTooLarge) -> None:
+        raise NotImplementedError
+
+
 class RpcServer:
     """Serves `handlers` (op -> payload -> reply) to peers that hold the secret."""
 
@@ -131,7 +158,7 @@ class RpcServer:
             await self._server.wait_closed()
 
 
-class _ServerConnection(asyncio.Protocol):
+class _ServerConnection(_FramedProtocol):
     """One peer: handshake, then frames in, replies out."""
 
     def __init__(self, server: RpcServer) -> None:
@@ -139,7 +166,6 @@ class _ServerConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._nonce = os.urandom(_NONCE)
         self._hello = bytearray()
-        self._frames: _Frames | None = None  # set once the peer has proved itself
         self._deadline: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -163,19 +189,11 @@ class _ServerConnection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.abort()
 
-    def data_received(self, data: bytes) -> None:
-        if self._frames is None:
-            data = self._handshake(data)
-            if self._frames is None:
-                return
-        try:
-            for call_id, op, _status, payload in self._frames.feed(data):
-                self._dispatch(call_id, op, payload)
-        except FrameTooLarge as exc:
-            logger.warning("rpc peer %s: %s; dropped",
-                           self._transport.get_extra_info("peername") if self._transport else "?",
-                           exc)
-            self.abort()
+    def _on_oversized(self, exc: FrameTooLarge) -> None:
+        logger.warning("rpc peer %s: %s; dropped",
+                       self._transport.get_extra_info("peername") if self._transport else "?",
+                       exc)
+        self.abort()
 
     def _handshake(self, data: bytes) -> bytes:
         """Consume the peer's proof; what follows it is returned (already frames)."""
@@ -198,7 +216,7 @@ class _ServerConnection(asyncio.Protocol):
         self._frames = _Frames()
         return rest
 
-    def _dispatch(self, call_id: int, op: int, payload: bytes) -> None:
+    def _on_frame(self, call_id: int, op: int, _status: int, payload: bytes) -> None:
         handler = self._server.handlers.get(op)
         if handler is None:
             self._reply(call_id, op, RpcStatus.UNKNOWN_OP, f"unknown op {op}".encode())
@@ -318,7 +336,7 @@ class RpcClient:
         return conn
 
 
-class _ClientConnection(asyncio.Protocol):
+class _ClientConnection(_FramedProtocol):
     """The client's side of one connection: proves itself, then routes replies to callers."""
 
     def __init__(self, secret: bytes, address: str) -> None:
@@ -331,7 +349,6 @@ class _ClientConnection(asyncio.Protocol):
         self._hello = bytearray()
         self._client_nonce = os.urandom(_NONCE)
         self._server_nonce = b""
-        self._frames: _Frames | None = None
         self.open = False
 
     def expect(self, call_id: int) -> asyncio.Future[tuple[int, bytes]]:
@@ -370,18 +387,13 @@ class _ClientConnection(asyncio.Protocol):
         else:
             self.fail(RpcError(f"rpc connection to {self._address} lost{reason}"))
 
-    def data_received(self, data: bytes) -> None:
-        if self._frames is None:
-            data = self._handshake(data)
-            if self._frames is None:
-                return
-        try:
-            for call_id, _op, status, payload in self._frames.feed(data):
-                future = self.pending.get(call_id)
-                if future is not None and not future.done():
-                    future.set_result((status, payload))
-        except FrameTooLarge as exc:
-            self.fail(RpcError(f"{self._address} sent a {exc}"))
+    def _on_frame(self, call_id: int, op: int, status: int, payload: bytes) -> None:
+        future = self.pending.get(call_id)
+        if future is not None and not future.done():
+            future.set_result((status, payload))
+
+    def _on_oversized(self, exc: FrameTooLarge) -> None:
+        self.fail(RpcError(f"{self._address} sent a {exc}"))
 
     def _handshake(self, data: bytes) -> bytes:
         self._hello += data
