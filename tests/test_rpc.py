@@ -7,7 +7,15 @@ import struct
 
 import pytest
 
-from mooncake_server.rpc import MAX_FRAME, RpcClient, RpcError, RpcServer, RpcStatus, RpcUnavailable
+from mooncake_server.rpc import (
+    MAGIC,
+    MAX_FRAME,
+    RpcClient,
+    RpcError,
+    RpcServer,
+    RpcStatus,
+    RpcUnavailable,
+)
 
 SECRET = b"rpc-test-secret"
 ECHO, UPPER_LATER, BAD, UNAVAILABLE, BOOM, RECORD = 1, 2, 3, 4, 5, 6
@@ -80,13 +88,28 @@ async def test_a_client_without_the_secret_is_refused_and_others_are_unaffected(
 
 
 async def test_a_server_without_the_secret_is_not_trusted():
-    server = RpcServer({ECHO: lambda p: p}, b"impostor", handshake_timeout_s=1)
-    port = await server.start("127.0.0.1")
+    """An impostor that accepts any client but cannot prove the secret gets no call."""
+    after_proof: list[bytes] = []
+
+    async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(MAGIC + b"n" * 16)
+        await reader.readexactly(16 + 32)  # the client's nonce and proof, taken on trust
+        writer.write(b"\x00" * 32)  # a proof made without the secret
+        after_proof.append(await reader.read())  # whatever the client sends next, until EOF
+        writer.close()
+
+    fake = await asyncio.start_server(impostor, "127.0.0.1", 0)
+    port = fake.sockets[0].getsockname()[1]
     try:
-        with pytest.raises(RpcError):
+        with pytest.raises(RpcError, match="failed to prove it holds the cluster secret"):
             await RpcClient(f"127.0.0.1:{port}", SECRET, timeout_s=5).call(ECHO, b"secret data")
+        async with asyncio.timeout(5):
+            while not after_proof:
+                await asyncio.sleep(0.01)
+        assert after_proof == [b""]  # the call was never sent
     finally:
-        await server.close()
+        fake.close()
+        await fake.wait_closed()
 
 
 async def test_garbage_and_oversized_frames_drop_only_that_connection(served):
