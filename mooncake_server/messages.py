@@ -46,6 +46,9 @@ class InstanceInfo(BaseModel):
     segment: str | None = None  # name of the registered memory segment others may access
     model: str | None = None
     control_address: str | None = None  # store: host:port of its binary control channel
+    # New with every process start: a restarted instance is measured afresh, not judged by the
+    # calibration its previous process earned.
+    incarnation: str | None = None
 
 
 class Heartbeat(BaseModel):

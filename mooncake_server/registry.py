@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +54,11 @@ class InstanceRegistry:
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._next: dict[str, int] = {role: 0 for role in INSTANCE_ROLES}
+        self._on_register: list[Callable[[InstanceInfo], None]] = []
+
+    def on_register(self, listener: Callable[[InstanceInfo], None]) -> None:
+        """Call `listener` with every (re-)registration."""
+        self._on_register.append(listener)
 
     def register(self, info: InstanceInfo) -> None:
         """Add or replace an instance (a restarted instance registers under the same id)."""
@@ -64,6 +70,8 @@ class InstanceRegistry:
         self._entries[info.instance_id] = _Entry(info, self._clock())
         log.info("%s %s instance %s at %s", "re-registered" if old else "registered",
                  info.role, info.instance_id, info.url)
+        for listener in self._on_register:
+            listener(info)
 
     def heartbeat(self, beat: Heartbeat) -> bool:
         """Record liveness and load; False if the instance is unknown (it must register)."""
@@ -226,6 +234,8 @@ class Registrar:
         if interval_s <= 0:
             raise ValueError(f"heartbeat interval must be positive, got {interval_s}")
         self.conductor_url = conductor_url.rstrip("/")
+        if info.incarnation is None:  # one per process: a Registrar lives as long as its role
+            info = info.model_copy(update={"incarnation": uuid.uuid4().hex})
         self.info = info
         self.interval_s = interval_s
         self.registrations = 0  # successful registrations so far (re-registrations included)

@@ -71,11 +71,29 @@ class LoadTracker:
         self._decode_of: dict[str, str] = {}  # request id -> decode instance
         self._last_token_at: dict[str, float] = {}  # request id -> its previous token's arrival
         self._first_token_at: dict[str, float] = {}  # request id -> prefill's token, until decode's
+        self._incarnations: dict[str, str] = {}  # instance id -> the process last registered
 
     def _get(self, instance_id: str) -> _Instance:
         return self._instances.setdefault(instance_id, _Instance())
 
     # ---- events -------------------------------------------------------------------------------
+
+    def registered(self, instance_id: str, incarnation: str | None) -> None:
+        """An instance (re-)registered; a new process under the same id starts uncalibrated."""
+        if incarnation is None:
+            return
+        previous = self._incarnations.get(instance_id)
+        self._incarnations[instance_id] = incarnation
+        inst = self._instances.get(instance_id)
+        if previous is None or previous == incarnation or inst is None:
+            return
+        # Its work in flight stays counted (failover moves it and tells us); what it measured
+        # about the dead process (often a cold start's slow outliers) must not starve the new one.
+        fresh = _Instance()
+        inst.calibration = fresh.calibration
+        inst.last_done_at = fresh.last_done_at
+        inst.decode_calibration = fresh.decode_calibration
+        inst.handoff_calibration = fresh.handoff_calibration
 
     def assign(self, request_id: str, prefill_id: str, prefill_estimate_s: float,
                decode_id: str, context_tokens: int) -> None:

@@ -98,6 +98,8 @@ class KVCacheScheduler:
         self.ttft_slo_s = ttft_slo_s
         self.tbt_slo_s = tbt_slo_s
         self.tracker = tracker or LoadTracker()
+        registry.on_register(lambda info: self.tracker.registered(info.instance_id,
+                                                                  info.incarnation))
         self.rejected = 0
         self._rng = rng or random.Random()
         self._plans: dict[str, Plan] = {}

@@ -119,16 +119,43 @@ async def test_measured_hand_offs_raise_the_tbt_estimate() -> None:
     s = scheduler("cache-global", tbt_slo=0.1, decode=1)
     s.tracker = LoadTracker(clock)
     await s.plan(request("fits", 100), keys(100))  # alone: 2 × 25 ms = 50 ms
-    for i in range(20):  # earlier requests each waited 250 ms (10 modelled steps) for decode
-        rid = f"done{i}"
-        s.tracker.assign(rid, "p1", 0.0, "d1", 100)
+    _learn_slow_hand_offs(s, clock, "d1")  # earlier requests each waited 10 modelled steps
+    s.release("fits")
+    with pytest.raises(SLORejected, match="TBT"):
+        await s.plan(request("r", 100), keys(100))
+
+
+def _learn_slow_hand_offs(s: KVCacheScheduler, clock: Clock, decode_id: str) -> None:
+    for i in range(20):  # each waited 250 ms (10 modelled steps) for its first decode step
+        rid = f"slow{i}"
+        s.tracker.assign(rid, "p1", 0.0, decode_id, 100)
         s.tracker.prefill_done(rid)
         clock.now += 0.25
         s.tracker.token(rid, 0.025)
         s.tracker.finished(rid)
-    s.release("fits")
-    with pytest.raises(SLORejected, match="TBT"):
-        await s.plan(request("r", 100), keys(100))
+
+
+async def test_a_restarted_decode_instance_is_not_judged_by_its_dead_process() -> None:
+    """An instance that earned a slow calibration (say, a cold start) and was restarted gets
+    work again: a new process re-registers with a new incarnation and starts uncalibrated."""
+    clock = Clock()
+    s = scheduler("cache-global")
+    s.tracker = LoadTracker(clock)
+    d2 = s.registry.get("d2")
+    assert d2 is not None
+    s.registry.register(d2.model_copy(update={"incarnation": "first"}))
+    _learn_slow_hand_offs(s, clock, "d2")
+    s.tracker.assign("busy", "p1", 0.0, "d1", 100)  # d1 is busier, yet faster as measured
+    plan = await s.plan(request("r1", 100), keys(100))
+    assert plan is not None and plan.decode.instance_id == "d1"
+    # The conductor forgot and re-learnt the same process: its measurements still hold.
+    s.registry.register(d2.model_copy(update={"incarnation": "first"}))
+    plan = await s.plan(request("r2", 100), keys(100))
+    assert plan is not None and plan.decode.instance_id == "d1"
+    # A new process under the same id: measured afresh, and the idler instance wins.
+    s.registry.register(d2.model_copy(update={"incarnation": "second"}))
+    plan = await s.plan(request("r3", 100), keys(100))
+    assert plan is not None and plan.decode.instance_id == "d2"
 
 
 async def test_decode_goes_to_the_lowest_tbt_with_room() -> None:
