@@ -3,7 +3,8 @@
  * Layout of the native side, one job per file:
  *   te_crc32c.c  CRC32C (SSE4.2 with a table fallback), copy+CRC in one pass, combining CRCs
  *   te_wire.c    deadline-bounded socket I/O, frame encoding, HMAC handshake
- *   te_server.c  registered regions + the listener serving READ/WRITE/INFO frames
+ *   te_server.c  registered regions + the listener serving READ/WRITE/INFO/GET frames
+ *   te_keys.c    objects published by key, for GET (one round trip, pinned while sent)
  *   te_client.c  peers, pooled connections, open_segment, one slice over shm, RDMA or TCP
  *   te_rdma.c    libibverbs RC queue pairs (only with TE_HAVE_VERBS; stubs otherwise)
  *   te_batch.c   batches, the request queue and the worker threads
@@ -38,17 +39,21 @@
 #define TE_SHM_SLICE (256u << 10)
 
 /* wire ops: CRC returns the CRC32C of a range (RDMA verification), RDMA_CONNECT swaps QP info */
-enum { TE_OP_INFO = 1, TE_OP_READ = 2, TE_OP_WRITE = 3, TE_OP_CRC = 4, TE_OP_RDMA_CONNECT = 5 };
+/* GET reads a published object by its key (the frame's name) in one round trip */
+enum { TE_OP_INFO = 1, TE_OP_READ = 2, TE_OP_WRITE = 3, TE_OP_CRC = 4, TE_OP_RDMA_CONNECT = 5,
+       TE_OP_GET = 6 };
 enum { TE_FLAG_CRC = 1 };                                 /* request flags: verify this slice */
-enum { TE_STATUS_OK = 0, TE_STATUS_ERROR = 1, TE_STATUS_CRC = 2 };  /* response status */
-enum { TE_REQ_READ = 0, TE_REQ_WRITE = 1 };                         /* Python-facing Op */
+/* response status; MISSING: GET of a key not published there (a miss, not a failure) */
+enum { TE_STATUS_OK = 0, TE_STATUS_ERROR = 1, TE_STATUS_CRC = 2, TE_STATUS_MISSING = 3 };
+enum { TE_REQ_READ = 0, TE_REQ_WRITE = 1, TE_REQ_GET = 2 };         /* Python-facing Op */
 enum { TE_STATE_PENDING = 0, TE_STATE_DONE = 1, TE_STATE_FAILED = 2 };
 enum { TE_MODE_AUTO = 0, TE_MODE_SHM = 1, TE_MODE_TCP = 2, TE_MODE_RDMA = 3 };
 enum { TE_TRANSPORT_SHM = 1, TE_TRANSPORT_TCP = 2, TE_TRANSPORT_RDMA = 3 };
 
 /* I/O results: 0 ok, negative failure (message in te_err). */
 enum { TE_IO_ERROR = -1, TE_IO_TIMEOUT = -2, TE_IO_CLOSED = -3, TE_IO_STOPPED = -4,
-       TE_REMOTE_ERROR = -5, TE_AUTH_ERROR = -6, TE_PEER_DOWN = -7, TE_CRC_ERROR = -8 };
+       TE_REMOTE_ERROR = -5, TE_AUTH_ERROR = -6, TE_PEER_DOWN = -7, TE_CRC_ERROR = -8,
+       TE_KEY_MISSING = -9 };
 
 typedef struct { char msg[TE_MSG_LEN]; } te_err;
 
@@ -84,7 +89,8 @@ typedef struct {
     uint8_t flags;
     uint64_t offset;
     uint64_t length;
-    uint32_t crc; /* WRITE with TE_FLAG_CRC: CRC32C of the payload as the sender saw it */
+    uint32_t crc; /* WRITE with TE_FLAG_CRC: CRC32C of the payload as the sender saw it;
+                   * GET: the object's whole length as the reader expects it */
 } te_req_hdr;
 
 typedef struct {
@@ -191,6 +197,10 @@ struct te_batch;
 
 typedef struct te_request {
     int op;
+    /* GET: the object's key (remote_off unused; len is its expected length); what came back */
+    char key[TE_MAX_NAME + 1];
+    int missing;         /* atomic: a slice found no such object */
+    uint32_t stored_crc; /* the CRC32C the owner published with the object */
     uint8_t *local;
     te_segment *seg;
     uint64_t remote_off, len;
@@ -218,6 +228,27 @@ typedef struct te_batch {
     int freed; /* user called free_batch while requests were in flight */
     te_request *reqs;
 } te_batch;
+
+/* ---- published objects (te_keys.c) ------------------------------------------------------ */
+typedef struct te_key te_key;
+
+typedef struct {
+    pthread_mutex_t mu;
+    te_key **buckets;
+    size_t n_buckets, n_live;
+    te_key *retired; /* retired while being read */
+    size_t n_retired;
+    te_key **touched; /* read since the owner last took them (each holds its entry) */
+    size_t n_touched, cap_touched;
+    uint64_t *drained; /* tags of retired entries whose last reader let go */
+    size_t n_drained, cap_drained;
+} te_keys;
+
+typedef struct {
+    uint32_t hits;
+    uint16_t klen;
+    char key[TE_MAX_NAME + 1];
+} te_touched;
 
 typedef struct te_engine {
     /* config */
@@ -248,6 +279,8 @@ typedef struct te_engine {
     pthread_mutex_t regions_mu;
     pthread_cond_t regions_cv;
     te_region *regions;
+
+    te_keys keys;
 
     /* client side */
     pthread_mutex_t peers_mu;
@@ -280,6 +313,26 @@ void te_region_drain(te_engine *eng, te_region *r);
 te_region *te_region_ref_name(te_engine *eng, const char *name);
 te_region *te_region_ref_addr(te_engine *eng, const uint8_t *addr, uint64_t len);
 void te_region_unref(te_engine *eng, te_region *r);
+
+/* te_keys.c */
+void te_keys_init(te_engine *eng);
+void te_keys_free(te_engine *eng); /* no thread may be serving */
+/* Make key readable by GET: len bytes at off of the registered segment; tag is the owner's. */
+int te_keys_publish(te_engine *eng, const char *key, size_t klen, const char *segment,
+                    uint64_t off, uint64_t len, uint32_t crc, uint64_t tag, te_err *e);
+/* Stop serving key (the object tagged tag); 1: its bytes are free now, 0: a GET still sends
+ * them, their tag comes back from te_keys_take_drained when it is done. */
+int te_keys_retire(te_engine *eng, const char *key, size_t klen, uint64_t tag);
+size_t te_keys_take_drained(te_engine *eng, uint64_t *out, size_t cap);
+int te_keys_take_touched(te_engine *eng, te_touched **out, size_t *n);
+size_t te_keys_count(te_engine *eng);
+/* Serving side of GET: the entry held (and its region referenced) or NULL when not published;
+ * count: this is a read of the object (its first slice), for the owner's LRU and hits. */
+te_key *te_keys_acquire(te_engine *eng, const char *key, size_t klen, int count,
+                        te_region **region, uint64_t *off, uint64_t *len, uint32_t *crc);
+void te_keys_release(te_engine *eng, te_key *k, te_region *region);
+/* The region is being unregistered: forget what was published in it. */
+void te_keys_drop_region(te_engine *eng, te_region *r);
 
 /* te_client.c */
 /* The transport for a segment: mode is TE_MODE_*, the flags say what is possible. Returns
@@ -346,7 +399,7 @@ void te_batch_destroy(te_batch *b);
 /* Whether the worker running a slice of r should checksum what it lands, and where it puts it. */
 static inline int te_req_crc_wanted(const te_request *r)
 {
-    return r->want_crc && r->op == TE_REQ_READ;
+    return r->want_crc && (r->op == TE_REQ_READ || r->op == TE_REQ_GET);
 }
 void te_req_put_crc(te_request *r, uint64_t off, uint32_t crc);
 

@@ -83,6 +83,8 @@ uint64_t te_batch_alloc(te_engine *eng, size_t n, te_err *e)
  * 1 MiB copy spreads over several cores (a memcpy slice costs no round trip). */
 static uint64_t slice_for(const te_engine *eng, const te_request *r)
 {
+    if (r->op == TE_REQ_GET)
+        return eng->slice_bytes; /* TCP frames, whatever the segment's transport */
     if (r->seg->transport == TE_TRANSPORT_SHM && eng->slice_bytes > TE_SHM_SLICE)
         return TE_SHM_SLICE;
     return eng->slice_bytes;
@@ -121,6 +123,8 @@ int te_batch_submit(te_engine *eng, uint64_t id, te_request *reqs, size_t n, te_
         r->msg[0] = 0;
         r->qnext = NULL;
         r->crc = 0; /* also the CRC32C of an empty read */
+        r->missing = 0;
+        r->stored_crc = 0;
         r->slice_crcs = NULL;
         if (r->len == 0) {
             r->state = TE_STATE_DONE;
@@ -216,7 +220,10 @@ int te_batch_wait(te_engine *eng, uint64_t id, double timeout_s, te_err *e)
 static void record_failure(te_engine *eng, te_request *r, const char *why)
 {
     pthread_mutex_lock(&eng->batch_mu);
-    if (!r->msg[0])
+    if (!r->msg[0] && r->op == TE_REQ_GET)
+        snprintf(r->msg, sizeof r->msg, "GET of '%.100s' (%llu bytes) from the owner of "
+                 "segment '%.100s': %s", r->key, (unsigned long long)r->len, r->seg->name, why);
+    else if (!r->msg[0])
         snprintf(r->msg, sizeof r->msg, "%s of %llu bytes at offset %llu of segment '%s': %s",
                  r->op == TE_REQ_READ ? "READ" : "WRITE", (unsigned long long)r->len,
                  (unsigned long long)r->remote_off, r->seg->name, why);
@@ -323,15 +330,20 @@ static void *worker_main(void *p)
         } else if (n > 1) {
             memset(errs, 0, sizeof(te_err) * (size_t)n);
             te_run_group(eng, group, n, rcs, errs);
-            for (int i = 0; i < n; i++)
-                if (rcs[i])
+            for (int i = 0; i < n; i++) {
+                if (rcs[i] == TE_KEY_MISSING)
+                    __atomic_store_n(&group[i]->missing, 1, __ATOMIC_RELEASE);
+                else if (rcs[i])
                     record_failure(eng, group[i], errs[i].msg[0] ? errs[i].msg : "unknown error");
+            }
         } else if (__atomic_load_n(&r->failed, __ATOMIC_ACQUIRE)) {
             /* an earlier slice failed: the request's outcome is already decided */
         } else {
             te_err err = {{0}};
             int rc = te_run_slice(eng, r, off, len, &err);
-            if (rc)
+            if (rc == TE_KEY_MISSING) /* a miss is an answer, not a failure */
+                __atomic_store_n(&r->missing, 1, __ATOMIC_RELEASE);
+            else if (rc)
                 record_failure(eng, r, err.msg[0] ? err.msg : "unknown error");
         }
         for (int i = 0; i < n; i++)

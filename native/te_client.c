@@ -19,7 +19,8 @@ static uint64_t resp_payload_len(const te_req_hdr *h)
 {
     switch (h->op) {
     case TE_OP_INFO: return TE_INFO_LEN;
-    case TE_OP_READ: return h->length;
+    case TE_OP_READ:
+    case TE_OP_GET: return h->length;
     case TE_OP_RDMA_CONNECT: return TE_QP_INFO_LEN;
     default: return 0;
     }
@@ -63,6 +64,10 @@ static int frame_recv(te_engine *eng, int fd, const te_req_hdr *h, uint8_t *data
         if (rc)
             return rc;
         msg[resp->length] = 0;
+        if (resp->status == TE_STATUS_MISSING && h->op == TE_OP_GET) {
+            te_err_set(e, "%s", msg);
+            return TE_KEY_MISSING;
+        }
         if (resp->status == TE_STATUS_CRC) {
             te_err_set(e, "%s", msg);
             return TE_CRC_ERROR;
@@ -352,6 +357,9 @@ static int rdma_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t 
 static te_req_hdr data_hdr(te_engine *eng, const te_request *req, const uint8_t *local,
                            uint64_t roff, uint64_t len)
 {
+    if (req->op == TE_REQ_GET) /* a range of the object; the owner checks its whole length */
+        return (te_req_hdr){.op = TE_OP_GET, .offset = roff, .length = len,
+                            .crc = (uint32_t)req->len};
     te_req_hdr h = {.op = req->op == TE_REQ_READ ? TE_OP_READ : TE_OP_WRITE, .offset = roff,
                     .length = len, .flags = eng->verify_crc ? TE_FLAG_CRC : 0};
     if (eng->verify_crc && req->op == TE_REQ_WRITE)
@@ -366,11 +374,14 @@ static int data_recv(te_engine *eng, int fd, te_request *req, uint64_t off,
 {
     te_resp_hdr resp;
     int want = te_req_crc_wanted(req);
-    int sum = h->op == TE_OP_READ && (want || eng->verify_crc);
+    int sum = (h->op == TE_OP_READ && eng->verify_crc) || want;
     uint32_t got = 0;
     int rc = frame_recv(eng, fd, h, local, h->length, &resp, deadline, e, sum ? &got : NULL);
     if (!rc && eng->verify_crc && h->op == TE_OP_READ && got != resp.crc)
         rc = crc_mismatch(e, "READ", resp.crc, got);
+    if (!rc && h->op == TE_OP_GET) /* every slice says the same, unless the key was replaced
+                                     * in between: then the landed CRC cannot match it */
+        __atomic_store_n(&req->stored_crc, resp.crc, __ATOMIC_RELAXED);
     if (!rc && want)
         te_req_put_crc(req, off, got);
     return rc;
@@ -380,7 +391,8 @@ static int tcp_attempt(te_engine *eng, te_request *req, int fd, uint8_t *local, 
                        uint64_t roff, uint64_t len, double deadline, te_err *e)
 {
     te_req_hdr h = data_hdr(eng, req, local, roff, len);
-    int rc = frame_send(eng, fd, &h, req->seg->name, local, deadline, e);
+    const char *name = req->op == TE_REQ_GET ? req->key : req->seg->name;
+    int rc = frame_send(eng, fd, &h, name, local, deadline, e);
     return rc ? rc : data_recv(eng, fd, req, off, &h, local, deadline, e);
 }
 
@@ -406,9 +418,9 @@ static int tcp_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t o
         } else {
             rc = tcp_attempt(eng, req, fd, local, off, roff, len, deadline, e);
             /* error frames and CRC verdicts leave the stream in sync: keep the connection */
-            int in_sync = rc == 0 || rc == TE_REMOTE_ERROR || rc == TE_CRC_ERROR;
-            te_pool_release(p, fd, in_sync);
-            if (rc == 0 || rc == TE_REMOTE_ERROR)
+            int answered = rc == 0 || rc == TE_REMOTE_ERROR || rc == TE_KEY_MISSING;
+            te_pool_release(p, fd, answered || rc == TE_CRC_ERROR);
+            if (answered)
                 return rc;
         }
         if (rc == TE_IO_TIMEOUT)
@@ -434,6 +446,8 @@ static int tcp_slice(te_engine *eng, te_request *req, uint8_t *local, uint64_t o
 int te_run_slice(te_engine *eng, te_request *req, uint64_t off, uint64_t len, te_err *e)
 {
     te_segment *s = req->seg;
+    if (req->op == TE_REQ_GET) /* the owner looks the key up: always TCP frames */
+        return tcp_slice(eng, req, req->local + off, off, off, len, e);
     uint64_t roff = req->remote_off + off;
     uint8_t *local = req->local + off;
     /* NOTE: over TCP the serving side checks (and must); shm and RDMA never ask it, so check
@@ -491,11 +505,12 @@ void te_run_group(te_engine *eng, te_request **reqs, int n, int *rcs, te_err *er
         for (; !rc && sent < n; sent++) {
             hs[sent] = data_hdr(eng, reqs[sent], reqs[sent]->local, reqs[sent]->remote_off,
                                 reqs[sent]->len);
-            rc = frame_send(eng, fd, &hs[sent], s->name, reqs[sent]->local, deadline, &e);
+            const char *name = reqs[sent]->op == TE_REQ_GET ? reqs[sent]->key : s->name;
+            rc = frame_send(eng, fd, &hs[sent], name, reqs[sent]->local, deadline, &e);
         }
         for (int i = 0; !rc && i < sent; i++) {
             int r = data_recv(eng, fd, reqs[i], 0, &hs[i], reqs[i]->local, deadline, &errs[i]);
-            if (r == 0 || r == TE_REMOTE_ERROR)
+            if (r == 0 || r == TE_REMOTE_ERROR || r == TE_KEY_MISSING)
                 rcs[i] = r;
             else if (r != TE_CRC_ERROR) /* CRC: the stream is in sync, retry that one alone */
                 rc = r;

@@ -59,6 +59,7 @@ static void engine_free(te_engine *eng)
     pthread_cond_destroy(&eng->batch_cv);
     pthread_mutex_destroy(&eng->queue_mu);
     pthread_cond_destroy(&eng->queue_cv);
+    te_keys_free(eng);
     free(eng);
 }
 
@@ -84,6 +85,7 @@ static te_engine *engine_new(const char *secret, Py_ssize_t secret_len, size_t s
     pthread_condattr_destroy(&ca);
     pthread_mutex_init(&eng->queue_mu, NULL);
     pthread_cond_init(&eng->queue_cv, NULL);
+    te_keys_init(eng);
     eng->secret = malloc(secret_len ? (size_t)secret_len : 1);
     eng->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     eng->notify_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -319,19 +321,35 @@ static PyObject *Engine_submit_transfer(Engine *self, PyObject *args)
     for (; i < n; i++) {
         int op, seg;
         unsigned long long local, roff, len;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iKiKK;request must be "
-                              "(op, local_addr, segment, remote_offset, length)",
-                              &op, &local, &seg, &roff, &len))
+        const char *key = NULL;
+        Py_ssize_t klen = 0;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "iKiKK|s#;request must be "
+                              "(op, local_addr, segment, remote_offset, length[, key])",
+                              &op, &local, &seg, &roff, &len, &key, &klen))
             break;
         te_request *r = &reqs[i];
         r->op = op;
+        if (op == TE_REQ_GET) {
+            if (!key || klen < 1 || klen > TE_MAX_NAME || strlen(key) != (size_t)klen) {
+                PyErr_Format(PyExc_ValueError, "request %zd: GET needs a key of 1..%d bytes "
+                             "without NUL", i, TE_MAX_NAME);
+                break;
+            }
+            if (len == 0 || len > TE_MAX_PAYLOAD) {
+                PyErr_Format(PyExc_ValueError, "request %zd: GET length must be 1..%u bytes", i,
+                             TE_MAX_PAYLOAD);
+                break;
+            }
+            memcpy(r->key, key, (size_t)klen + 1);
+        }
         r->want_crc = checksums;
         r->local = (uint8_t *)(uintptr_t)local;
         r->remote_off = roff;
         r->len = len;
         r->seg = te_segment_get(self->eng, seg);
-        if (op != TE_REQ_READ && op != TE_REQ_WRITE) {
-            PyErr_Format(PyExc_ValueError, "request %zd: op must be READ (0) or WRITE (1)", i);
+        if (op != TE_REQ_READ && op != TE_REQ_WRITE && op != TE_REQ_GET) {
+            PyErr_Format(PyExc_ValueError, "request %zd: op must be READ (0), WRITE (1) or "
+                         "GET (2)", i);
             break;
         }
         if (!r->seg) {
@@ -426,6 +444,142 @@ static PyObject *Engine_checksums(Engine *self, PyObject *args)
     }
     PyMem_Free(crc);
     return list;
+}
+
+/* Per request of a completed batch: for a GET that found its object, (length, CRC32C the owner
+ * published, CRC32C of what landed or None); None for a GET that missed and for the rest. */
+static PyObject *Engine_gets(Engine *self, PyObject *args)
+{
+    unsigned long long batch;
+    if (!PyArg_ParseTuple(args, "K", &batch) || te_py_enter(self))
+        return NULL;
+    te_py_leave(self);
+    te_engine *eng = self->eng;
+    pthread_mutex_lock(&eng->batch_mu);
+    te_batch *b = te_batch_get(eng, batch);
+    if (!b || b->pending) {
+        pthread_mutex_unlock(&eng->batch_mu);
+        return PyErr_Format(PyExc_ValueError, b ? "batch %llu is still running"
+                                                : "unknown batch id %llu", batch);
+    }
+    typedef struct { int found, crc_ok; uint64_t len; uint32_t stored, landed; } got_t;
+    size_t n = b->n;
+    got_t *got = PyMem_Calloc(n ? n : 1, sizeof *got); /* filled before any Python object */
+    if (!got) {
+        pthread_mutex_unlock(&eng->batch_mu);
+        return PyErr_NoMemory();
+    }
+    for (size_t i = 0; i < n; i++) {
+        const te_request *r = &b->reqs[i];
+        got[i].found = r->op == TE_REQ_GET && r->state == TE_STATE_DONE &&
+                       !__atomic_load_n(&r->missing, __ATOMIC_ACQUIRE);
+        got[i].crc_ok = te_req_crc_wanted(r);
+        got[i].len = r->len;
+        got[i].stored = r->stored_crc;
+        got[i].landed = r->crc;
+    }
+    pthread_mutex_unlock(&eng->batch_mu);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        PyObject *v = !got[i].found ? Py_NewRef(Py_None)
+                      : got[i].crc_ok ? Py_BuildValue("(KII)", (unsigned long long)got[i].len,
+                                                      got[i].stored, got[i].landed)
+                                      : Py_BuildValue("(KIO)", (unsigned long long)got[i].len,
+                                                      got[i].stored, Py_None);
+        if (!v) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, v);
+    }
+    PyMem_Free(got);
+    return list;
+}
+
+/* publish(key, segment, offset, length, crc, tag): serve the object to GETs by key. */
+static PyObject *Engine_publish(Engine *self, PyObject *args)
+{
+    const char *key, *segment;
+    Py_ssize_t klen;
+    unsigned long long off, len, tag;
+    unsigned int crc;
+    if (!PyArg_ParseTuple(args, "s#sKKIK", &key, &klen, &segment, &off, &len, &crc, &tag) ||
+        te_py_enter(self))
+        return NULL;
+    te_err err = {{0}};
+    int rc = te_keys_publish(self->eng, key, (size_t)klen, segment, off, len, crc, tag, &err);
+    te_py_leave(self);
+    if (rc) {
+        te_py_set_error(PyExc_ValueError, err.msg);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* retire(key, tag) -> True when the object's bytes may be reused now */
+static PyObject *Engine_retire(Engine *self, PyObject *args)
+{
+    const char *key;
+    Py_ssize_t klen;
+    unsigned long long tag;
+    if (!PyArg_ParseTuple(args, "s#K", &key, &klen, &tag) || te_py_enter(self))
+        return NULL;
+    int free_now = te_keys_retire(self->eng, key, (size_t)klen, tag);
+    te_py_leave(self);
+    return PyBool_FromLong(free_now);
+}
+
+/* take_drained() -> tags of retired objects whose last GET finished since the last call */
+static PyObject *Engine_take_drained(Engine *self, PyObject *unused)
+{
+    (void)unused;
+    if (te_py_enter(self))
+        return NULL;
+    uint64_t tags[256];
+    PyObject *list = PyList_New(0);
+    size_t n;
+    do {
+        n = te_keys_take_drained(self->eng, tags, 256);
+        for (size_t i = 0; list && i < n; i++) {
+            PyObject *v = PyLong_FromUnsignedLongLong(tags[i]);
+            if (!v || PyList_Append(list, v))
+                Py_CLEAR(list);
+            Py_XDECREF(v);
+        }
+    } while (n == 256);
+    te_py_leave(self);
+    return list;
+}
+
+/* take_touched() -> [(key, reads)] served by GET since the last call */
+static PyObject *Engine_take_touched(Engine *self, PyObject *unused)
+{
+    (void)unused;
+    if (te_py_enter(self))
+        return NULL;
+    te_touched *t;
+    size_t n;
+    int rc = te_keys_take_touched(self->eng, &t, &n);
+    te_py_leave(self);
+    if (rc)
+        return PyErr_NoMemory();
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        PyObject *v = Py_BuildValue("(s#I)", t[i].key, (Py_ssize_t)t[i].klen, t[i].hits);
+        if (!v) {
+            Py_CLEAR(list);
+            break;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, v);
+    }
+    free(t);
+    return list;
+}
+
+static PyObject *Engine_get_published(Engine *self, void *c)
+{
+    (void)c;
+    return PyLong_FromSize_t(self->eng && !self->eng->closed ? te_keys_count(self->eng) : 0);
 }
 
 /* (done, first_failed_index or -1, message) in one lock round trip */
@@ -538,6 +692,11 @@ static PyMethodDef Engine_methods[] = {
     {"wait", (PyCFunction)Engine_wait, METH_VARARGS, "Block (GIL released) until done."},
     {"free_batch", (PyCFunction)Engine_free_batch, METH_VARARGS, "Release a batch id."},
     {"drain_notify", (PyCFunction)Engine_drain_notify, METH_NOARGS, "Reset notify_fd."},
+    {"gets", (PyCFunction)Engine_gets, METH_VARARGS, "Per request: what a GET found."},
+    {"publish", (PyCFunction)Engine_publish, METH_VARARGS, "Serve an object by key."},
+    {"retire", (PyCFunction)Engine_retire, METH_VARARGS, "Stop serving a key."},
+    {"take_drained", (PyCFunction)Engine_take_drained, METH_NOARGS, "Tags now free."},
+    {"take_touched", (PyCFunction)Engine_take_touched, METH_NOARGS, "Keys read by GET."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -545,6 +704,7 @@ static PyGetSetDef Engine_getset[] = {
     {"port", (getter)Engine_get_port, NULL, "Bound listen port (0 when not serving).", NULL},
     {"notify_fd", (getter)Engine_get_notify_fd, NULL, "Readable when a batch completed.", NULL},
     {"closed", (getter)Engine_get_closed, NULL, "True after close().", NULL},
+    {"published", (getter)Engine_get_published, NULL, "Objects served by key.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -209,6 +209,7 @@ PyObject *te_py_unregister_memory(Engine *self, PyObject *args)
         te_py_leave(self);
         return PyErr_Format(PyExc_KeyError, "no segment named '%s' is registered", name);
     }
+    te_keys_drop_region(self->eng, r); /* nothing is served from it by key any more */
     Py_BEGIN_ALLOW_THREADS
     te_region_drain(self->eng, r); /* in-flight transfers on it finish first */
     Py_END_ALLOW_THREADS

@@ -1,5 +1,6 @@
 /* Registered regions and the server side: a listener thread plus one thread per connection
- * serving INFO / READ / WRITE / CRC / RDMA_CONNECT frames against the regions of this engine.
+ * serving INFO / READ / WRITE / CRC / RDMA_CONNECT frames against the regions of this engine,
+ * and GET frames against the objects published by key (te_keys.c).
  *
  * Every frame is bounds-checked; a bad request gets an error frame (the stream stays in sync,
  * payloads are drained), a malformed frame closes that connection only. A queue pair set up by
@@ -178,11 +179,43 @@ static int serve_rdma_connect(te_engine *eng, int fd, double deadline,
     return te_send_all(fd, iov, 2, deadline, eng->stop_fd, NULL) ? -1 : 0;
 }
 
+/* GET: a range of the object published under key, straight from registered memory, pinned
+ * while sent; the reader names the object's whole length, so a different object is refused. */
+static int serve_get(te_engine *eng, int fd, const te_req_hdr *h, const char *key,
+                     double deadline)
+{
+    te_region *r;
+    uint64_t off, len;
+    uint32_t crc;
+    te_key *k = te_keys_acquire(eng, key, h->name_len, h->offset == 0, &r, &off, &len, &crc);
+    if (!k)
+        return send_status(eng, fd, deadline, TE_STATUS_MISSING, "no object '%s' here", key)
+                   ? -1 : 0;
+    int rc;
+    if (len != h->crc) {
+        rc = send_error(eng, fd, deadline, "object '%s' is %llu bytes, the reader expects %u",
+                        key, (unsigned long long)len, h->crc);
+    } else if (h->offset > len || h->length > len - h->offset) {
+        rc = send_error(eng, fd, deadline, "range %llu + %llu is outside object '%s' of %llu "
+                        "bytes", (unsigned long long)h->offset, (unsigned long long)h->length,
+                        key, (unsigned long long)len);
+    } else {
+        uint8_t hdr[TE_RESP_HDR_LEN];
+        te_encode_resp(hdr, TE_STATUS_OK, h->length, crc);
+        struct iovec iov[2] = {{hdr, sizeof hdr}, {r->addr + off + h->offset, (size_t)h->length}};
+        rc = te_send_all(fd, iov, 2, deadline, eng->stop_fd, NULL);
+    }
+    te_keys_release(eng, k, r);
+    return rc ? -1 : 0;
+}
+
 /* Serve one frame; returns 0 to keep the connection, -1 to close it. */
 static int serve_frame(te_engine *eng, int fd, const te_req_hdr *h, const char *name,
                        struct te_rdma_conn **qp)
 {
     double deadline = te_now() + eng->timeout_s;
+    if (h->op == TE_OP_GET)
+        return serve_get(eng, fd, h, name, deadline);
     te_region *r = te_region_ref_name(eng, name);
     uint8_t hdr[TE_RESP_HDR_LEN];
     int rc = 0;

@@ -93,7 +93,7 @@ int te_decode_req(const uint8_t in[TE_REQ_HDR_LEN], te_req_hdr *h)
     h->offset = te_get_u64(in + 8);
     h->length = te_get_u64(in + 16);
     h->crc = te_get_u32(in + 24);
-    if (h->op < TE_OP_INFO || h->op > TE_OP_RDMA_CONNECT || h->name_len == 0)
+    if (h->op < TE_OP_INFO || h->op > TE_OP_GET || h->name_len == 0)
         return -1;
     if (h->op == TE_OP_RDMA_CONNECT && h->length != TE_QP_INFO_LEN)
         return -1;

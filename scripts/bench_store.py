@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the store: put/get of 64 KiB, 1 MiB and 4 MiB values from another process, against
-memcpy, Redis (redis-server on 127.0.0.1, redis-py + hiredis) and Mooncake Store when importable.
+memcpy, the bare TCP floor, Redis (redis-server on 127.0.0.1, redis-py + hiredis) and Mooncake
+Store when importable.
 
     .venv/bin/python scripts/bench_store.py [--iters 40] [--skip-redis] [--skip-mooncake]
 
@@ -106,6 +107,60 @@ def bench_memcpy(iters: int) -> list[Row]:
     return rows
 
 
+# ---- the TCP floor ---------------------------------------------------------------------------
+
+def serve_floor(port: int) -> None:
+    """--floor-server: answer each 8-byte size request with that many bytes from memory."""
+    with socket.create_server(("127.0.0.1", port)) as listener:
+        conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    value = memoryview(os.urandom(max(SIZES)))
+    with conn:
+        while head := conn.recv(8):
+            conn.sendall(value[:int.from_bytes(head, "little")])
+
+
+def bench_tcp_floor(iters: int) -> list[Row]:
+    """The best any one-round-trip TCP get can do here: a kept-open loopback connection to
+    another process that sends the value straight from memory, received with recv_into into
+    the destination; no protocol, no lookup, no checksum."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, "--floor-server", str(port)],
+                            start_new_session=True)
+    rows = []
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=0.5)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("floor server did not start") from None
+                time.sleep(0.05)
+        with conn:
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for size in SIZES:
+                dst = memoryview(bytearray(size))
+                lat = []
+                for _ in range(iters_for(size, iters) * 2):
+                    t = time.perf_counter()
+                    conn.sendall(size.to_bytes(8, "little"))
+                    got = 0
+                    while got < size:
+                        n = conn.recv_into(dst[got:])
+                        if not n:
+                            raise RuntimeError("floor server closed the connection")
+                        got += n
+                    lat.append(time.perf_counter() - t)
+                rows.append(Row("tcp floor", "TCP", size, "get", lat))
+    finally:
+        proc.kill()
+        proc.wait(10)
+    return rows
+
+
 # ---- our store ------------------------------------------------------------------------------
 
 def index_app() -> Any:
@@ -207,12 +262,13 @@ async def bench_ours(iters: int) -> tuple[list[Row], dict[str, float]]:
                         put_lat, get_lat, bget_lat, cget_lat = [], [], [], []
                         for it in range(n):
                             keys = [f"{transport}-{size}-{it}-{i}" for i in range(BATCH)]
+                            await client.put(keys[1:], [sa + i * size for i in range(1, BATCH)],
+                                             [size] * (BATCH - 1), sums[1:])
+                            # put, then get of that key: the pattern of the Redis baseline
                             t = time.perf_counter()
                             ok = await client.put(keys[:1], [sa], [size], sums[:1])
                             put_lat.append(time.perf_counter() - t)
                             assert ok == [True]
-                            await client.put(keys[1:], [sa + i * size for i in range(1, BATCH)],
-                                             [size] * (BATCH - 1), sums[1:])
                             t = time.perf_counter()
                             got = await client.get(keys[:1], [da], [size])
                             get_lat.append(time.perf_counter() - t)
@@ -431,11 +487,16 @@ def report(rows: list[Row], extra: dict[str, float], notes: list[str]) -> None:
         memcpy = find(rows, "memcpy", "", size, "copy")
         memcpyb = find(rows, "memcpy", "", size, f"copy x{BATCH}")
         redis = find(rows, "redis", "", size, "get")
+        floor = find(rows, "tcp floor", "", size, "get")
         mc = find(rows, "mooncake", "", size, "get")
         mcb = find(rows, "mooncake", "", size, f"get x{BATCH}")
         line: list[str] = []
         if tcp and redis:
             line.append(f"TCP get / Redis GET {tcp.gbps / redis.gbps:.2f}x [>=2]")
+        if floor and redis:
+            line.append(f"TCP floor / Redis GET {floor.gbps / redis.gbps:.2f}x")
+        if tcp and floor:
+            line.append(f"TCP get / TCP floor {tcp.gbps / floor.gbps:.2f}x")
         if tcp and mc:
             line.append(f"TCP get / Mooncake get {tcp.gbps / mc.gbps:.2f}x")
         if tcpb and mcb:
@@ -475,9 +536,13 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--master-bin", default="mooncake_master", help=argparse.SUPPRESS)
     p.add_argument("--index-server", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--floor-server", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.index_server is not None:
         serve_index(args.index_server)
+        return
+    if args.floor_server is not None:
+        serve_floor(args.floor_server)
         return
     if args.mooncake_holder is not None:
         mooncake_holder(args.mooncake_holder)
@@ -486,7 +551,7 @@ def main() -> None:
         mooncake_worker(args.iters, args.out, args.master_bin)
         return
     notes: list[str] = []
-    rows = bench_memcpy(args.iters)
+    rows = bench_memcpy(args.iters) + bench_tcp_floor(args.iters)
     ours, extra = run_loop(bench_ours(args.iters))
     rows += ours
     for name, skip, fn in (("Redis", args.skip_redis, bench_redis),

@@ -42,6 +42,7 @@ from mooncake_server.registry import Registrar
 from mooncake_server.roles import common
 from mooncake_server.rpc import RpcServer, RpcUnavailable
 from mooncake_server.store.client import StoreClient, StoreError
+from mooncake_server.store.keyed import EngineKeyedReads
 from mooncake_server.store.metrics import NodeCollector
 from mooncake_server.store.node import StoreNode
 from mooncake_server.store.objects import ObjectTable
@@ -102,7 +103,8 @@ def build_app(config: ServerConfig) -> FastAPI:
             reporter: IndexReporter | None = None
             node = StoreNode(pool, pool_addr, ssd=ssd, demote_after_s=config.store_demote_after_s,
                              high_watermark=config.store_high_watermark,
-                             report=lambda entry: reporter.changed(entry) if reporter else None)
+                             report=lambda entry: reporter.changed(entry) if reporter else None,
+                             keyed=EngineKeyedReads(engine, SEGMENT_NAME))
             http = common.internal_client(config)
             stack.push_async_callback(http.aclose)
             # Peers dial the advertised host, not the (possibly wildcard) listen address.

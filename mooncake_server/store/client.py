@@ -7,6 +7,9 @@ transfer engine, one-sided, between the caller's registered memory and the store
   get: get (lease) -> one engine.transfer() of READs, each checksummed by the engine as it lands
        -> compare with the stored CRC32C -> release (always; sent in the background, so the
        reader does not wait for it)
+  get over TCP: one engine GET per key (the node's engine looks the key up and pins the bytes
+       while it sends them: one round trip, no lease) -> compare the landed CRC32C with the one
+       stored; keys it does not serve (on SSD only, or absent) take the lease path above
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class StoreClient:
         self._base = location.url.rstrip("/")
         self._segment: int | None = None
         self._segment_lock = asyncio.Lock()
+        self._by_key: bool | None = None  # GET by key (TCP segments): decided once opened
         self._releases: set[asyncio.Task[None]] = set()
         self._rpc: RpcClient | None = None
         self._notified = False  # releases sent without an answer since the last settle()
@@ -192,6 +196,46 @@ class StoreClient:
             raise ValueError("get: keys, addrs and sizes must have the same length")
         if not keys:
             return []
+        if not await self._reads_by_key():
+            return await self._read_leased(keys, addrs, sizes, sparse)
+        got = await self._read_by_key(keys, addrs, sizes)
+        if all(got):
+            return got
+        # What the engine does not serve may still be here (on SSD: the lease path brings it
+        # back into DRAM), or was evicted between a probe and this read.
+        if sparse:
+            rest = [i for i, ok in enumerate(got) if not ok]
+        else:
+            rest = list(range(got.index(False), len(keys)))
+        more = await self._read_leased([keys[i] for i in rest], [addrs[i] for i in rest],
+                                       [sizes[i] for i in rest], sparse)
+        for i, ok in zip(rest, more):
+            got[i] = ok
+        return got
+
+    async def _reads_by_key(self) -> bool:
+        # Over TCP a GET by key saves the lease round trip; shm copies and RDMA READs are
+        # one-sided already, so they keep the lease path.
+        if self._by_key is None:
+            handle = await self._segment_handle()
+            self._by_key = self._engine.transport_of(handle) == "tcp"
+        return self._by_key
+
+    async def _read_by_key(self, keys: list[str], addrs: list[int],
+                           sizes: list[int]) -> list[bool]:
+        handle = await self._segment_handle()
+        try:
+            found = await self._engine.get_published(handle, list(zip(keys, addrs, sizes)))
+        except (TransferError, OSError) as exc:
+            raise StoreError(f"reading {len(keys)} blocks from store "
+                             f"{self._location.instance_id} failed: {exc}") from exc
+        for key, obj in zip(keys, found):
+            if obj is not None and obj.landed_crc != obj.stored_crc:
+                raise ChecksumError(key, obj.stored_crc, obj.landed_crc)
+        return [obj is not None for obj in found]
+
+    async def _read_leased(self, keys: list[str], addrs: list[int], sizes: list[int],
+                           sparse: bool) -> list[bool]:
         reply = await self._call(StoreOp.GET, StoreGet(keys=keys, sparse=sparse), StoreGetReply)
         if reply.found == 0 or reply.lease_id is None:
             return [False] * len(keys)

@@ -47,6 +47,9 @@ class NodeCollector(Collector):
             ("mooncake_store_active_leases", "gets whose blocks are still pinned", s.active_leases),
             ("mooncake_store_ssd_pending_bytes", "evicted bytes waiting to reach the SSD",
              s.ssd_pending_bytes),
+            ("mooncake_store_draining_bytes",
+             "freed DRAM bytes a get by key is still sending (reused once it is done)",
+             s.draining_bytes),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -59,6 +62,9 @@ class NodeCollector(Collector):
              s.rehydrations),
             ("mooncake_store_puts_refused", "keys refused by put_start for lack of space",
              s.puts_refused),
+            ("mooncake_store_gets_by_key", ("objects read by key through the transfer engine "
+                                            "(one round trip, no lease; also counted in hits)"),
+             s.gets_by_key),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -20,7 +20,13 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from mooncake_server.messages import TIER_DRAM, TIER_SSD, StoreEntry
-from mooncake_server.store.objects import GetResult, ObjectTable, PutStartResult, StoreObject
+from mooncake_server.store.objects import (
+    GetResult,
+    KeyedReads,
+    ObjectTable,
+    PutStartResult,
+    StoreObject,
+)
 from mooncake_server.store.ssd import SsdError, SsdTier
 from mooncake_server.transfer import crc32c
 
@@ -52,6 +58,8 @@ class NodeStats(NamedTuple):
     rehydrations: int
     active_leases: int
     puts_refused: int
+    gets_by_key: int
+    draining_bytes: int
 
 
 class StoreNode:
@@ -60,8 +68,10 @@ class StoreNode:
     def __init__(self, pool: memoryview, pool_addr: int, *, ssd: SsdTier | None = None,
                  demote_after_s: float = 300.0, high_watermark: float = 0.95,
                  report: Callable[[StoreEntry], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """Serve objects out of `pool` (registered at `pool_addr`), spilling to `ssd`."""
+                 clock: Callable[[], float] = time.monotonic,
+                 keyed: KeyedReads | None = None) -> None:
+        """Serve objects out of `pool` (registered at `pool_addr`), spilling to `ssd`; `keyed`
+        also serves the READY ones to reads by key (the transfer engine's GET)."""
         self.pool = pool
         self.pool_addr = pool_addr
         self.ssd = ssd
@@ -69,7 +79,7 @@ class StoreNode:
         self._report = report
         self._clock = clock
         self.table = ObjectTable(len(pool), high_watermark=high_watermark, clock=clock,
-                                 on_evict=self._evicted)
+                                 on_evict=self._evicted, keyed=keyed)
         if ssd is not None:
             ssd.on_drop = self.ssd_dropped
         self._rehydrating: dict[str, asyncio.Future[bool]] = {}
@@ -326,8 +336,10 @@ class StoreNode:
             dram_largest_free=t.largest_free, writing=t.writing,
             ssd_objects=s.objects if s else 0, ssd_bytes=s.bytes_used if s else 0,
             ssd_capacity=s.capacity if s else 0, ssd_pending_bytes=s.pending_bytes if s else 0,
-            hits_dram=self._hits_dram, hits_ssd=self._hits_ssd, misses=self._misses,
+            hits_dram=self._hits_dram + t.keyed_hits, hits_ssd=self._hits_ssd,
+            misses=self._misses,
             evictions=t.evictions, ssd_evictions=s.evictions if s else 0,
             demotions=self._demotions, demotions_dropped=self._demotions_dropped,
             rehydrations=self._rehydrations, active_leases=t.active_leases,
-            puts_refused=t.puts_refused)
+            puts_refused=t.puts_refused, gets_by_key=t.keyed_hits,
+            draining_bytes=t.draining_bytes)

@@ -11,6 +11,10 @@ An object walks this lifecycle:
 still in place, so the owner can keep a copy (the SSD tier) before the space is reused.
 A removed object that is still leased leaves the key space at once (a new put may reuse the key)
 but keeps its bytes until its last lease ends, so an in-flight reader never sees them change.
+With `keyed` (the transfer engine serving READY objects to GETs by key, one round trip, no
+lease), every READY object is published and is retired before its bytes are freed; bytes a GET
+is still sending stay allocated until the engine reports them drained, and the engine's reads
+count as hits and LRU touches when the table next absorbs them (reap, stats).
 
 All methods are synchronous and O(keys · log objects); the store role calls them from its event
 loop, which is what serialises them (no locks needed).
@@ -27,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from mooncake_server.store.allocator import OffsetAllocator, align_up
 
@@ -78,6 +82,23 @@ class GetResult(NamedTuple):
     objects: list[StoreObject]
 
 
+class KeyedReads(Protocol):
+    """What serves READY objects to readers by key, outside the table (the engine's GET)."""
+
+    def publish(self, key: str, offset: int, size: int, checksum: int) -> None:
+        """Serve the object at `offset` under `key` from now on."""
+
+    def retire(self, key: str, offset: int) -> bool:
+        """Stop serving it; True when its bytes may be reused now, else they come back from
+        take_drained() once the reads in flight are done."""
+
+    def take_drained(self) -> list[int]:
+        """Offsets of retired objects no read holds any more."""
+
+    def take_touched(self) -> list[tuple[str, int]]:
+        """(key, reads) served since the last call."""
+
+
 class TableStats(NamedTuple):
     """Counters and gauges exported as metrics."""
 
@@ -91,6 +112,8 @@ class TableStats(NamedTuple):
     evictions: int
     active_leases: int
     puts_refused: int
+    keyed_hits: int  # reads served by key (also in hits)
+    draining_bytes: int  # freed objects whose bytes a keyed read still sends
 
 
 class ObjectTable:
@@ -105,6 +128,7 @@ class ObjectTable:
         write_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[StoreObject], None] | None = None,
+        keyed: KeyedReads | None = None,
     ) -> None:
         """Manage `capacity` bytes; `clock` is injectable so tests can move time."""
         if not 0.0 < high_watermark <= 1.0:
@@ -130,6 +154,9 @@ class ObjectTable:
         self._misses = 0
         self._evictions = 0
         self._refused = 0
+        self._keyed = keyed
+        self._keyed_hits = 0
+        self._draining: dict[int, StoreObject] = {}  # offset -> retired, still being sent
 
     @property
     def capacity(self) -> int:
@@ -195,6 +222,7 @@ class ObjectTable:
                 obj.checksum = checksum
                 obj.last_access = now
                 self._lru_add(obj)
+                self._publish(obj)
                 committed.append(True)
         # Reservations count toward usage but only READY objects can go, so check again here.
         self._evict_to_watermark()
@@ -285,6 +313,7 @@ class ObjectTable:
 
     def idle(self, older_than: float, limit: int = 1024) -> list[StoreObject]:
         """Unleased READY objects not touched since `older_than` (clock time), oldest first."""
+        self.absorb_keyed_reads()
         found: list[StoreObject] = []
         for obj in self._lru.values():  # LRU order: stop at the first recent one
             if obj.last_access > older_than or len(found) >= limit:
@@ -317,11 +346,32 @@ class ObjectTable:
             del self._objects[key]
             if obj.leases == 0:
                 self._lru_remove(obj)
-                self._alloc.free(obj.offset)
+                self._free(obj)
+            elif self._keyed is not None:
+                # Out of the key space now; its last lease frees the bytes (_drop -> _free).
+                self._keyed.retire(key, obj.offset)
         return count
+
+    def absorb_keyed_reads(self) -> None:
+        """Count the reads served by key as hits and LRU touches; free drained bytes."""
+        if self._keyed is None:
+            return
+        now = self._clock()
+        for key, reads in self._keyed.take_touched():
+            self._keyed_hits += reads
+            self._hits += reads
+            obj = self._objects.get(key)
+            if obj is not None and obj.state is ObjectState.READY and not obj.removed:
+                obj.last_access = now
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+        for offset in self._keyed.take_drained():
+            if self._draining.pop(offset, None) is not None:
+                self._alloc.free(offset)
 
     def reap(self) -> int:
         """Release expired leases and free timed-out WRITING reservations; return how many."""
+        self.absorb_keyed_reads()
         now = self._clock()
         reaped = 0
         while self._lease_deadlines and self._lease_deadlines[0][0] <= now:
@@ -340,6 +390,7 @@ class ObjectTable:
 
     def stats(self) -> TableStats:
         """Counters and gauges for /metrics."""
+        self.absorb_keyed_reads()
         return TableStats(
             objects=len(self._objects) - self._writing,
             writing=self._writing,
@@ -351,6 +402,8 @@ class ObjectTable:
             evictions=self._evictions,
             active_leases=len(self._leases),
             puts_refused=self._refused,
+            keyed_hits=self._keyed_hits,
+            draining_bytes=sum(align_up(o.size) for o in self._draining.values()),
         )
 
     # ---- internals --------------------------------------------------------------------------
@@ -377,7 +430,7 @@ class ObjectTable:
         if self._on_evict is not None:
             # NOTE: before free(): the callback may still read the object's bytes.
             self._on_evict(obj)
-        self._alloc.free(obj.offset)
+        self._free(obj)
         self._evictions += counted
 
     def _finish_write(self, obj: StoreObject) -> None:
@@ -387,6 +440,22 @@ class ObjectTable:
     def _drop(self, obj: StoreObject) -> None:
         if self._objects.get(obj.key) is obj:
             del self._objects[obj.key]
+        self._free(obj)
+
+    def _publish(self, obj: StoreObject) -> None:
+        if self._keyed is None or obj.checksum is None:
+            return
+        try:
+            self._keyed.publish(obj.key, obj.offset, obj.size, obj.checksum)
+        except Exception as exc:  # noqa: BLE001 - such a key is still served under a lease
+            logger.debug("not serving %s by key: %s", obj.key, exc)
+
+    def _free(self, obj: StoreObject) -> None:
+        # A keyed read may be sending these bytes: they are reused only once it is done.
+        if self._keyed is not None and obj.state is ObjectState.READY and \
+                not self._keyed.retire(obj.key, obj.offset):
+            self._draining[obj.offset] = obj
+            return
         self._alloc.free(obj.offset)
 
     def _lru_add(self, obj: StoreObject) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from mooncake_server.transfer.engine import (
     Op,
+    PublishedObject,
     TransferEngine,
     TransferRequest,
     TransferState,
@@ -22,6 +23,7 @@ from mooncake_server.transfer.transports import RdmaProbe, pick_transport, probe
 
 __all__ = [
     "Op",
+    "PublishedObject",
     "RdmaProbe",
     "TransferEngine",
     "TransferError",

@@ -6,6 +6,12 @@ connection, RDMA on TCP) -> every request DONE or FAILED -> wait()
 returns or raises TransferError -> free_batch. Completion reaches asyncio through an eventfd
 the native side bumps, watched with loop.add_reader, so waiting never blocks the event loop.
 
+Objects by key: a serving engine publishes an object (key -> bytes in one of its segments and
+the CRC32C they were stored with); a peer GETs it in one round trip (`get_published`), receiving
+straight into its registered memory, with the CRC of what landed computed as it arrives. While a
+GET sends an object it is pinned: `retire` says whether its bytes may be reused at once, else
+their tag comes back from `take_drained` once the last GET is done.
+
 Fused checksums (submit_transfer(..., checksums=True) / transfer(..., checksums=True)): the
 worker that lands a READ slice computes its CRC32C right then, while the bytes are in cache (shm:
 per 32 KiB piece just copied; TCP: per 64 KiB just received; RDMA: after the completion), and the
@@ -46,6 +52,18 @@ class Op(enum.IntEnum):
 
     READ = 0
     WRITE = 1
+
+
+_OP_GET = 2  # native request kind of a GET by key (get_published)
+
+
+class PublishedObject(NamedTuple):
+    """What a GET by key landed: the object's length, the CRC32C its owner published with it,
+    and the CRC32C of the bytes as they arrived here."""
+
+    length: int
+    stored_crc: int
+    landed_crc: int
 
 
 class TransferState(enum.IntEnum):
@@ -322,6 +340,51 @@ class TransferEngine:
             return self.get_checksums(batch) if checksums else None
         finally:
             self.free_batch(batch)
+
+    # -- objects by key --------------------------------------------------------------------
+
+    async def get_published(self, segment: int,
+                            gets: Sequence[tuple[str, int, int]]) -> list[PublishedObject | None]:
+        """GET each (key, local_addr, room) from the engine serving `segment`, in one batch.
+
+        Per key: what landed at local_addr, or None when the key is not published there (a
+        miss). Raises TransferError when a GET failed (peer down, object bigger than its room).
+        """
+        if not gets:
+            return []
+        batch = self.allocate_batch(len(gets))
+        try:
+            items = [(_OP_GET, addr, segment, 0, room, key) for key, addr, room in gets]
+            _native_call("", self._native.submit_transfer, batch, items, True)
+            self._batch_segments.setdefault(batch, []).extend(segment for _ in gets)
+            await self.wait(batch)
+            found = _native_call("", self._native.gets, batch)
+            return [None if f is None else PublishedObject(*f) for f in found]
+        finally:
+            self.free_batch(batch)
+
+    def publish(self, key: str, segment: str, offset: int, length: int, crc: int,
+                tag: int) -> None:
+        """Serve `length` bytes at `offset` of our segment `segment` to GETs of `key`."""
+        _native_call("", self._native.publish, key, segment, offset, length, crc, tag)
+
+    def retire(self, key: str, tag: int) -> bool:
+        """Stop serving `key` (the object published with `tag`); True when its bytes may be
+        reused now, False when a GET still sends them (`take_drained` returns `tag` later)."""
+        return bool(_native_call("", self._native.retire, key, tag))
+
+    def take_drained(self) -> list[int]:
+        """Tags of retired objects whose last GET finished since the last call."""
+        return _native_call("", self._native.take_drained)
+
+    def take_touched(self) -> list[tuple[str, int]]:
+        """(key, GETs served) for each key read by GET since the last call."""
+        return _native_call("", self._native.take_touched)
+
+    @property
+    def published(self) -> int:
+        """How many objects this engine serves by key."""
+        return int(self._native.published)
 
     # -- lifecycle -------------------------------------------------------------------------
 

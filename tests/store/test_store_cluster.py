@@ -197,3 +197,29 @@ async def test_hot_blocks_gain_replicas_copied_between_nodes(http: httpx.AsyncCl
         finally:
             engine.close()
             await stop_all(nodes)
+
+
+async def test_tcp_reads_go_by_key_in_one_round_trip(http: httpx.AsyncClient) -> None:
+    n, block = 8, 256 << 10
+    async with index_server(replicas=1) as index:
+        node = store_proc(index.url, "by-key")
+        engine = TransferEngine(secret=SECRET.encode(), serve=False, transport="tcp")
+        try:
+            await node.start()
+            w = make_writer(index, http, n, block, engine)
+            keys = [f"bk-{i}" for i in range(n)]
+            assert await w.put(keys, range(n)) == [True] * n
+            assert await w.get(keys, range(n)) == n
+            assert w.same(range(n))
+            text = await node.metrics()
+            # Served by the node's engine without a lease, and counted as DRAM hits.
+            assert metric(text, "mooncake_store_gets_by_key_total") == n
+            assert metric(text, "mooncake_store_hits_total", '{tier="dram"}') == n
+            # A removed key is no longer served by key; the lease path confirms the miss.
+            await w.cluster.remove(keys[:1])
+            assert await w.get(keys, range(n)) == 0
+            assert await w.get(keys[1:], range(1, n)) == n - 1
+            assert metric(await node.metrics(), "mooncake_store_draining_bytes") == 0
+        finally:
+            engine.close()
+            await node.stop()

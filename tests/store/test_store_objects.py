@@ -188,3 +188,73 @@ def test_exists_256_keys_is_fast() -> None:
     per_call = (time.perf_counter() - start) / 100
     assert prefix == 256 and all(flags)
     assert per_call < 1e-3
+
+
+class FakeKeyedReads:
+    """The engine's GET-by-key side as the table sees it; `sending` holds keys mid-send."""
+
+    def __init__(self) -> None:
+        self.served: dict[str, int] = {}  # key -> offset
+        self.sending: set[str] = set()
+        self.retired_busy: dict[str, int] = {}
+        self.drained: list[int] = []
+        self.touched: list[tuple[str, int]] = []
+
+    def publish(self, key: str, offset: int, size: int, checksum: int) -> None:
+        self.served[key] = offset
+
+    def retire(self, key: str, offset: int) -> bool:
+        if self.served.get(key) == offset:
+            del self.served[key]
+            if key in self.sending:
+                self.retired_busy[key] = offset
+                return False
+        return self.retired_busy.get(key) != offset
+
+    def finish(self, key: str) -> None:
+        self.sending.discard(key)
+        if key in self.retired_busy:
+            self.drained.append(self.retired_busy.pop(key))
+
+    def take_drained(self) -> list[int]:
+        out, self.drained = self.drained, []
+        return out
+
+    def take_touched(self) -> list[tuple[str, int]]:
+        out, self.touched = self.touched, []
+        return out
+
+
+def test_bytes_a_get_by_key_still_sends_are_not_reused_until_it_is_done() -> None:
+    keyed = FakeKeyedReads()
+    table, _ = make(blocks=3, keyed=keyed)
+    assert put(table, ["a", "b", "c"]) == [True] * 3
+    assert set(keyed.served) == {"a", "b", "c"}  # READY objects are served by key
+    offset_a = table.lookup("a").offset  # type: ignore[union-attr]
+    keyed.sending.add("a")
+    keyed.touched = [("b", 1)]  # b was read by key: now it is the most recently used
+    assert put(table, ["d"]) == [True]
+    # a (LRU) was evicted, but a GET still sends its bytes: they are not reusable, so the
+    # next least recently used object (c, not the touched b) made room.
+    assert table.lookup("a") is None and "a" not in keyed.served
+    assert table.lookup("b") is not None and table.lookup("c") is None
+    assert table.stats().draining_bytes == BLOCK
+    assert put(table, ["e"]) == [True]
+    assert table.lookup("e").offset != offset_a  # type: ignore[union-attr]
+    keyed.finish("a")
+    assert table.stats().draining_bytes == 0  # drained: the space is free again
+    assert put(table, ["f"]) == [True]
+    assert table.lookup("f").offset == offset_a  # type: ignore[union-attr]
+    assert table.lookup("d") is not None and table.lookup("e") is not None
+    assert table.stats().hits == 1 and table.stats().keyed_hits == 1
+
+
+def test_a_removed_leased_object_stops_being_served_by_key_at_once() -> None:
+    keyed = FakeKeyedReads()
+    table, _ = make(blocks=2, keyed=keyed)
+    put(table, ["a"])
+    lease = table.get(["a"]).lease_id
+    assert table.remove(["a"]) == 1
+    assert "a" not in keyed.served  # a new reader by key misses; the leased reader goes on
+    assert lease is not None and table.release(lease)
+    assert table.stats().bytes_used == 0
