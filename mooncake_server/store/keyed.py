@@ -15,23 +15,23 @@ class EngineKeyedReads:
     """`KeyedReads` over the engine that serves the pool segment `segment`."""
 
     def __init__(self, engine: TransferEngine, segment: str) -> None:
-        """Publish objects of `segment`, tagged by their offset in it."""
+        """Publish objects of `segment`."""
         self._engine = engine
         self._segment = segment
 
-    def publish(self, key: str, offset: int, size: int, checksum: int) -> None:
+    def publish(self, key: str, tag: int, offset: int, size: int, checksum: int) -> None:
         """Serve the object at `offset` to GETs of `key`."""
-        self._engine.publish(key, self._segment, offset, size, checksum, offset)
+        self._engine.publish(key, self._segment, offset, size, checksum, tag)
 
-    def retire(self, key: str, offset: int) -> bool:
+    def retire(self, key: str, tag: int) -> bool:
         """Stop serving it; True when its bytes may be reused now."""
         try:
-            return self._engine.retire(key, offset)
+            return self._engine.retire(key, tag)
         except TransferError:
             return True  # the engine is closed: it serves nothing any more
 
     def take_drained(self) -> list[int]:
-        """Offsets whose last GET finished."""
+        """Tags of retired objects whose last GET finished."""
         try:
             return self._engine.take_drained()
         except TransferError:

@@ -57,6 +57,7 @@ class StoreObject:
     leases: int = 0
     last_access: float = 0.0
     removed: bool = False  # removed while busy: freed when the last lease / write ends
+    tag: int = -1  # its publication for reads by key (unique per object, unlike the offset)
 
 
 @dataclass(slots=True)
@@ -85,15 +86,15 @@ class GetResult(NamedTuple):
 class KeyedReads(Protocol):
     """What serves READY objects to readers by key, outside the table (the engine's GET)."""
 
-    def publish(self, key: str, offset: int, size: int, checksum: int) -> None:
-        """Serve the object at `offset` under `key` from now on."""
+    def publish(self, key: str, tag: int, offset: int, size: int, checksum: int) -> None:
+        """Serve the object at `offset` under `key` from now on; `tag` names this object."""
 
-    def retire(self, key: str, offset: int) -> bool:
-        """Stop serving it; True when its bytes may be reused now, else they come back from
-        take_drained() once the reads in flight are done."""
+    def retire(self, key: str, tag: int) -> bool:
+        """Stop serving it; True when its bytes may be reused now, else its tag comes back
+        from take_drained() once the reads in flight are done."""
 
     def take_drained(self) -> list[int]:
-        """Offsets of retired objects no read holds any more."""
+        """Tags of retired objects no read holds any more."""
 
     def take_touched(self) -> list[tuple[str, int]]:
         """(key, reads) served since the last call."""
@@ -156,7 +157,7 @@ class ObjectTable:
         self._refused = 0
         self._keyed = keyed
         self._keyed_hits = 0
-        self._draining: dict[int, StoreObject] = {}  # offset -> retired, still being sent
+        self._draining: dict[int, StoreObject] = {}  # tag -> retired, still being sent
 
     @property
     def capacity(self) -> int:
@@ -349,7 +350,7 @@ class ObjectTable:
                 self._free(obj)
             elif self._keyed is not None:
                 # Out of the key space now; its last lease frees the bytes (_drop -> _free).
-                self._keyed.retire(key, obj.offset)
+                self._keyed.retire(key, obj.tag)
         return count
 
     def absorb_keyed_reads(self) -> None:
@@ -365,9 +366,10 @@ class ObjectTable:
                 obj.last_access = now
                 if key in self._lru:
                     self._lru.move_to_end(key)
-        for offset in self._keyed.take_drained():
-            if self._draining.pop(offset, None) is not None:
-                self._alloc.free(offset)
+        for tag in self._keyed.take_drained():
+            obj = self._draining.pop(tag, None)
+            if obj is not None:
+                self._alloc.free(obj.offset)
 
     def reap(self) -> int:
         """Release expired leases and free timed-out WRITING reservations; return how many."""
@@ -445,16 +447,16 @@ class ObjectTable:
     def _publish(self, obj: StoreObject) -> None:
         if self._keyed is None or obj.checksum is None:
             return
+        obj.tag = next(self._seq)
         try:
-            self._keyed.publish(obj.key, obj.offset, obj.size, obj.checksum)
+            self._keyed.publish(obj.key, obj.tag, obj.offset, obj.size, obj.checksum)
         except Exception as exc:  # noqa: BLE001 - such a key is still served under a lease
             logger.debug("not serving %s by key: %s", obj.key, exc)
 
     def _free(self, obj: StoreObject) -> None:
         # A keyed read may be sending these bytes: they are reused only once it is done.
-        if self._keyed is not None and obj.state is ObjectState.READY and \
-                not self._keyed.retire(obj.key, obj.offset):
-            self._draining[obj.offset] = obj
+        if self._keyed is not None and obj.tag >= 0 and not self._keyed.retire(obj.key, obj.tag):
+            self._draining[obj.tag] = obj
             return
         self._alloc.free(obj.offset)
 

@@ -194,22 +194,22 @@ class FakeKeyedReads:
     """The engine's GET-by-key side as the table sees it; `sending` holds keys mid-send."""
 
     def __init__(self) -> None:
-        self.served: dict[str, int] = {}  # key -> offset
+        self.served: dict[str, int] = {}  # key -> tag
         self.sending: set[str] = set()
         self.retired_busy: dict[str, int] = {}
         self.drained: list[int] = []
         self.touched: list[tuple[str, int]] = []
 
-    def publish(self, key: str, offset: int, size: int, checksum: int) -> None:
-        self.served[key] = offset
+    def publish(self, key: str, tag: int, offset: int, size: int, checksum: int) -> None:
+        self.served[key] = tag
 
-    def retire(self, key: str, offset: int) -> bool:
-        if self.served.get(key) == offset:
+    def retire(self, key: str, tag: int) -> bool:
+        if self.served.get(key) == tag:
             del self.served[key]
             if key in self.sending:
-                self.retired_busy[key] = offset
+                self.retired_busy[key] = tag
                 return False
-        return self.retired_busy.get(key) != offset
+        return self.retired_busy.get(key) != tag
 
     def finish(self, key: str) -> None:
         self.sending.discard(key)
