@@ -4,7 +4,7 @@ SIGTERM walks: the role's drain hook (`app.state.drain`: tell the conductor to r
 here, then wait until the running work is done, at most --drain-timeout) -> uvicorn's usual
 shutdown (listener closed, open connections finished, lifespan shutdown, which deregisters).
 A second SIGTERM, or a SIGINT, skips what is left of the drain. A role without a hook (the
-conductor) shuts down as uvicorn always does.
+conductor) shuts down as uvicorn always does. Once started, the start-up heap is frozen (heap.py).
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+
+from mooncake_server.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,11 @@ class DrainingServer(uvicorn.Server):
         self._app = app
         self._drain_requested = False
         self._drain_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start-up (the role's lifespan included), then the start-up heap freezes."""
+        await super().startup(sockets)
+        freeze_startup_heap()
 
     def _hook(self) -> DrainHook | None:
         return getattr(self._app.state, "drain", None)
