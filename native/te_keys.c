@@ -5,7 +5,7 @@
  * it before it frees or reuses them. A GET being sent pins the bytes (sending > 0): retiring the
  * entry then unlinks it at once (no new reader finds it) but the owner must not reuse the bytes
  * until the last sender lets go; such entries wait on a "retired" list and their tags (the
- * owner's handle of the bytes, e.g. their offset) come back from te_keys_take_drained.
+ * owner's name for that one object) come back from te_keys_take_drained.
  * Reads are counted per key for the owner's LRU and hit metrics (te_keys_take_touched); being
  * on that list keeps the entry's memory, not its bytes, alive.
  * One mutex guards it all: every operation is a hash probe or a list splice.

@@ -405,22 +405,33 @@ static PyObject *Engine_status(Engine *self, PyObject *args)
     return Py_BuildValue("(iN)", state, te_py_msg_str(msg));
 }
 
-/* Per request of a completed batch: the CRC32C of the bytes a READ submitted with checksums
- * landed, None for the rest (WRITEs, READs without checksums, failed requests). */
-static PyObject *Engine_checksums(Engine *self, PyObject *args)
+/* The completed batch named by args, returned with batch_mu held; NULL with an exception set
+ * (unknown, still running, engine closed). */
+static te_batch *lock_completed_batch(Engine *self, PyObject *args)
 {
     unsigned long long batch;
     if (!PyArg_ParseTuple(args, "K", &batch) || te_py_enter(self))
         return NULL;
     te_py_leave(self);
-    te_engine *eng = self->eng;
-    pthread_mutex_lock(&eng->batch_mu);
-    te_batch *b = te_batch_get(eng, batch);
+    pthread_mutex_lock(&self->eng->batch_mu);
+    te_batch *b = te_batch_get(self->eng, batch);
     if (!b || b->pending) {
-        pthread_mutex_unlock(&eng->batch_mu);
-        return PyErr_Format(PyExc_ValueError, b ? "batch %llu is still running"
-                                                : "unknown batch id %llu", batch);
+        pthread_mutex_unlock(&self->eng->batch_mu);
+        PyErr_Format(PyExc_ValueError, b ? "batch %llu is still running"
+                                         : "unknown batch id %llu", batch);
+        return NULL;
     }
+    return b;
+}
+
+/* Per request of a completed batch: the CRC32C of the bytes a READ submitted with checksums
+ * landed, None for the rest (WRITEs, READs without checksums, failed requests). */
+static PyObject *Engine_checksums(Engine *self, PyObject *args)
+{
+    te_engine *eng = self->eng;
+    te_batch *b = lock_completed_batch(self, args);
+    if (!b)
+        return NULL;
     /* NOTE: copied out first: no Python allocation while batch_mu is held */
     size_t n = b->n;
     int64_t *crc = PyMem_Malloc(sizeof *crc * (n ? n : 1));
@@ -450,18 +461,10 @@ static PyObject *Engine_checksums(Engine *self, PyObject *args)
  * published, CRC32C of what landed or None); None for a GET that missed and for the rest. */
 static PyObject *Engine_gets(Engine *self, PyObject *args)
 {
-    unsigned long long batch;
-    if (!PyArg_ParseTuple(args, "K", &batch) || te_py_enter(self))
-        return NULL;
-    te_py_leave(self);
     te_engine *eng = self->eng;
-    pthread_mutex_lock(&eng->batch_mu);
-    te_batch *b = te_batch_get(eng, batch);
-    if (!b || b->pending) {
-        pthread_mutex_unlock(&eng->batch_mu);
-        return PyErr_Format(PyExc_ValueError, b ? "batch %llu is still running"
-                                                : "unknown batch id %llu", batch);
-    }
+    te_batch *b = lock_completed_batch(self, args);
+    if (!b)
+        return NULL;
     typedef struct { int found, crc_ok; uint64_t len; uint32_t stored, landed; } got_t;
     size_t n = b->n;
     got_t *got = PyMem_Calloc(n ? n : 1, sizeof *got); /* filled before any Python object */
