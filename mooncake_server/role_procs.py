@@ -8,6 +8,7 @@ store instances, or with a role that must die and come back, is built here inste
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -288,18 +289,22 @@ class RoleCluster:
         """`RoleProc.memory` of every running role, by name."""
         return {n: p.memory() for n, p in self.procs.items() if p.running()}
 
-    def stop(self) -> None:
-        """Stop every process (SIGTERM, then SIGKILL)."""
-        for proc in reversed(list(self.procs.values())):
-            if proc.running():
-                proc.signal(signal.SIGCONT)
-                proc.signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            if proc.running():
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop every process: SIGTERM, then SIGKILL for what still runs after `timeout_s` in
+        all, or at once if the wait is interrupted (a test timeout): none is left behind."""
+        try:
+            for proc in reversed(list(self.procs.values())):
+                if proc.running():
+                    proc.signal(signal.SIGCONT)
+                    proc.signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for proc in self.procs.values():
+                if proc.running():
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(max(0.1, deadline - time.monotonic()))
+        finally:
+            for proc in self.procs.values():
+                proc.kill()
 
     def __enter__(self) -> Self:
         return self
