@@ -345,16 +345,16 @@ class TransferEngine:
 
     async def get_published(self, segment: int,
                             gets: Sequence[tuple[str, int, int]]) -> list[PublishedObject | None]:
-        """GET each (key, local_addr, room) from the engine serving `segment`, in one batch.
+        """GET each (key, local_addr, length) from the engine serving `segment`, in one batch.
 
         Per key: what landed at local_addr, or None when the key is not published there (a
-        miss). Raises TransferError when a GET failed (peer down, object bigger than its room).
+        miss). Raises TransferError when a GET failed (peer down, an object of another length).
         """
         if not gets:
             return []
         batch = self.allocate_batch(len(gets))
         try:
-            items = [(_OP_GET, addr, segment, 0, room, key) for key, addr, room in gets]
+            items = [(_OP_GET, addr, segment, 0, length, key) for key, addr, length in gets]
             _native_call("", self._native.submit_transfer, batch, items, True)
             self._batch_segments.setdefault(batch, []).extend(segment for _ in gets)
             await self.wait(batch)
