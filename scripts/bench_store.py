@@ -127,9 +127,9 @@ def serve_floor(port: int) -> None:
 
 
 def bench_tcp_floor(iters: int) -> list[Row]:
-    """The best any one-round-trip TCP get can do here: a kept-open loopback connection to
+    """What one TCP stream does here with nothing on top: a kept-open loopback connection to
     another process that sends the value straight from memory, received with recv_into into
-    the destination; no protocol, no lookup, no checksum."""
+    the destination; no protocol, no lookup, no checksum (several streams can beat it)."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, __file__, "--floor-server", str(port)],
                             start_new_session=True)
