@@ -45,6 +45,8 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--transfer-port", "transfer_port", int, "transfer engine port (0 = any)"),
     ("--store-control-port", "store_control_port", int,
      "store: port of the binary control channel clients use for put/get/exists (0 = any)"),
+    ("--index-control-port", "index_control_port", int,
+     "conductor: port of the binary channel store nodes send index reports on (0 = any)"),
     ("--transport", "transport", str, f"transfer transport: {' | '.join(TRANSPORTS)}"),
     ("--transfer-timeout", "transfer_timeout_s", float, "seconds before a transfer fails"),
     ("--cluster-secret", "cluster_secret", str,

@@ -65,6 +65,7 @@ class ServerConfig:
     store_replicas: int = 1  # copies of each block across store nodes (conductor's placement)
     store_high_watermark: float = 0.95  # DRAM fraction above which LRU eviction starts
     store_control_port: int = 0  # binary control channel (put/get/exists...); 0 = any free port
+    index_control_port: int = 0  # conductor: binary channel for store nodes' index reports
 
     # Transfer engine
     transfer_port: int = 0
@@ -104,7 +105,8 @@ class ServerConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"--port: must be in 1..65535, got {self.port}")
         for flag, port in (("--transfer-port", self.transfer_port),
-                           ("--store-control-port", self.store_control_port)):
+                           ("--store-control-port", self.store_control_port),
+                           ("--index-control-port", self.index_control_port)):
             if not 0 <= port < 65536:
                 raise ValueError(f"{flag}: must be in 0..65535 (0 = any free port), got {port}")
         if self.block_tokens < 1 or self.block_tokens > 4096:

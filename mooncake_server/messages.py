@@ -363,6 +363,7 @@ class StoreReportReply(BaseModel):
 
     accepted: bool
     resync: bool = False
+    channel: str | None = None  # host:port of the index's binary channel: later reports go there
 
 
 class StoreReplica(BaseModel):

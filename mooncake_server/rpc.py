@@ -27,7 +27,9 @@ import logging
 import os
 import struct
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import cast
+from typing import Any, cast
+
+from pydantic import BaseModel, ValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -427,3 +429,27 @@ def _status(status: int) -> RpcStatus | None:
         return RpcStatus(status)
     except ValueError:
         return None
+
+
+# A typed call: request model in, reply model out, awaitable only when it has to wait.
+Call = Callable[[Any], "BaseModel | Awaitable[BaseModel]"]
+
+
+def json_handler(model: type[BaseModel], method: Call) -> Handler:
+    """A typed call as an RPC handler: JSON request in, JSON reply out (awaitable only if the
+    call is); a malformed request is a ValueError (BAD_REQUEST to the caller)."""
+    def handle(payload: bytes) -> bytes | Awaitable[bytes]:
+        try:
+            body = model.model_validate_json(payload)
+        except ValidationError as exc:
+            raise ValueError(f"malformed {model.__name__}: "
+                             f"{exc.errors(include_url=False)[:3]}") from None
+        reply = method(body)
+        if isinstance(reply, BaseModel):
+            return reply.model_dump_json().encode()
+        return _encode_later(reply)
+    return handle
+
+
+async def _encode_later(reply: Awaitable[BaseModel]) -> bytes:
+    return (await reply).model_dump_json().encode()

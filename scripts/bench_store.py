@@ -170,16 +170,32 @@ def bench_tcp_floor(iters: int) -> list[Row]:
 # ---- our store ------------------------------------------------------------------------------
 
 def index_app() -> Any:
-    """The conductor's registry + store-index routes (what a store node reports to)."""
+    """The conductor's registry + store-index routes and report channel (what a store node
+    reports to)."""
+    from collections.abc import AsyncIterator
+    from contextlib import asynccontextmanager
+
     from fastapi import FastAPI
 
+    from mooncake_server.heap import freeze_startup_heap
     from mooncake_server.registry import InstanceRegistry, registry_router
-    from mooncake_server.store.master import StoreMaster, master_router
+    from mooncake_server.store.master import StoreMaster, master_router, serve_index_channel
 
     registry = InstanceRegistry(5.0)
-    app = FastAPI()
+    master = StoreMaster(registry, 1, SECRET)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        channel = await serve_index_channel(master, "127.0.0.1", 0, "127.0.0.1", SECRET)
+        freeze_startup_heap()  # as the conductor does once it serves
+        try:
+            yield
+        finally:
+            await channel.close()
+
+    app = FastAPI(lifespan=lifespan)
     app.include_router(registry_router(registry, SECRET))
-    app.include_router(master_router(StoreMaster(registry, 1, SECRET), SECRET))
+    app.include_router(master_router(master, SECRET))
     return app
 
 

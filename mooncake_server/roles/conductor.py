@@ -43,7 +43,12 @@ from mooncake_server.registry import INSTANCE_ROLES, InstanceRegistry, registry_
 from mooncake_server.scheduler import ScheduledBackend, build_scheduler, load_perf_model
 from mooncake_server.scheduler.local_index import LocalCacheIndex, local_cache_router
 from mooncake_server.scheduler.metrics import SchedulerCollector
-from mooncake_server.store.master import MasterCollector, StoreMaster, master_router
+from mooncake_server.store.master import (
+    MasterCollector,
+    StoreMaster,
+    master_router,
+    serve_index_channel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +108,17 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Store nodes' index reports: HTTP for the first, this binary channel after (master.py).
+        channel = await serve_index_channel(store_master, config.host, config.index_control_port,
+                                            config.public_host, config.cluster_secret)
+        try:
+            async with serve_api(app):
+                yield
+        finally:
+            await channel.close()
+
+    @asynccontextmanager
+    async def serve_api(app: FastAPI) -> AsyncIterator[None]:
         model_path = await asyncio.to_thread(resolve_model, config.model)
         tokenizer, hf_config, eos_ids = await asyncio.to_thread(_load_model_meta, model_path)
         max_model_len = _max_model_len(config, hf_config)

@@ -4,7 +4,9 @@ The stream walks: snapshot (everything the node holds, on start) -> deltas (the 
 each changed key, coalesced, one POST in flight at a time) -> ... A delta the master refuses
 (it restarted, or forgot the node) triggers a new snapshot. While idle, an empty delta every
 `keepalive_s` lets a restarted conductor ask for that snapshot. Entries are states, not events,
-so re-sending after a failed POST is harmless.
+so re-sending after a failed POST is harmless. Once an answer names the index's binary channel,
+reports go there (one frame each, no HTTP request on either side); if the channel fails, that
+report goes over HTTP and the channel is dialled again after the next HTTP answer names it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import httpx
 
 from mooncake_server.internal_http import secret_headers
 from mooncake_server.messages import StoreEntry, StoreReport, StoreReportReply
+from mooncake_server.rpc import RpcClient, RpcError
+from mooncake_server.store.master import IndexOp
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,8 @@ class IndexReporter:
         self.node_id = node_id
         self.epoch = uuid.uuid4().hex
         self._headers = {**secret_headers(secret), "content-type": "application/json"}
+        self._secret = secret.encode()
+        self._channel: RpcClient | None = None
         self._snapshot = snapshot
         self._keepalive_s = keepalive_s
         self._coalesce_s = coalesce_s
@@ -45,6 +51,7 @@ class IndexReporter:
         self._task: asyncio.Task[None] | None = None
         self._inflight = False
         self.reports_sent = 0
+        self.reports_on_channel = 0
 
     def changed(self, entry: StoreEntry) -> None:
         """Queue a key's new state (newest wins) and wake the sender."""
@@ -64,6 +71,9 @@ class IndexReporter:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._channel is not None:
+            await self._channel.aclose()
+            self._channel = None
         if self._own_http and self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -138,8 +148,23 @@ class IndexReporter:
     async def _post(self, report: StoreReport) -> StoreReportReply:
         if self._http is None:
             raise RuntimeError("IndexReporter.start() must be called first")
-        r = await self._http.post(self._url, content=report.model_dump_json(),
-                                  headers=self._headers)
+        payload = report.model_dump_json()
+        if self._channel is not None:
+            try:
+                answer = await self._channel.call(IndexOp.REPORT, payload.encode())
+                self.reports_on_channel += 1
+                return StoreReportReply.model_validate_json(answer)
+            except RpcError as exc:  # a restarted conductor, a new port: HTTP finds it again
+                logger.info("index channel %s failed (%s); reporting over HTTP",
+                            self._channel.address, exc)
+                await self._channel.aclose()
+                self._channel = None
+        r = await self._http.post(self._url, content=payload, headers=self._headers)
         if r.status_code != 200:
             raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
-        return StoreReportReply.model_validate_json(r.content)
+        reply = StoreReportReply.model_validate_json(r.content)
+        if reply.channel and self._channel is None:
+            read = self._http.timeout.read
+            self._channel = RpcClient(reply.channel, self._secret,
+                                      read if read is not None else 10.0)
+        return reply

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from mooncake_server.messages import (
     StoreExistsReply,
@@ -26,12 +25,9 @@ from mooncake_server.messages import (
     StoreReleaseReply,
     StoreRemoveReply,
 )
-from mooncake_server.rpc import Handler, RpcUnavailable
+from mooncake_server.rpc import Call, Handler, RpcUnavailable, json_handler
 from mooncake_server.store.node import StoreNode
 from mooncake_server.store.objects import GetResult
-
-# A control call: typed request in, typed reply out, awaitable only when it has to wait.
-Call = Callable[[Any], "BaseModel | Awaitable[BaseModel]"]
 
 
 class StoreOp(enum.IntEnum):
@@ -112,7 +108,7 @@ class StoreService:
 
     def rpc_handlers(self) -> dict[int, Handler]:
         """The ops as RPC handlers: JSON payload in, JSON reply out."""
-        return {int(op): _json_handler(model, method)
+        return {int(op): json_handler(model, method)
                 for op, (model, method) in self.calls().items()}
 
 
@@ -125,22 +121,3 @@ def _get_reply(body: StoreGet, res: GetResult) -> StoreGetReply:
     return StoreGetReply(lease_id=res.lease_id, found=len(objs),
                          offsets=[o.offset for o in objs], sizes=[o.size for o in objs],
                          checksums=[o.checksum or 0 for o in objs], present=present)
-
-
-def _json_handler(model: type[BaseModel], method: Call) -> Handler:
-    """An op as an RPC handler: JSON request in, JSON reply out (awaitable only if the op is)."""
-    def handle(payload: bytes) -> bytes | Awaitable[bytes]:
-        try:
-            body = model.model_validate_json(payload)
-        except ValidationError as exc:
-            raise ValueError(f"malformed {model.__name__}: "
-                             f"{exc.errors(include_url=False)[:3]}") from None
-        reply = method(body)
-        if isinstance(reply, BaseModel):
-            return reply.model_dump_json().encode()
-        return _encode_later(reply)
-    return handle
-
-
-async def _encode_later(reply: Awaitable[BaseModel]) -> bytes:
-    return (await reply).model_dump_json().encode()

@@ -20,7 +20,8 @@ from fastapi import FastAPI
 from mooncake_server.launcher import free_port_block
 from mooncake_server.messages import SECRET_HEADER
 from mooncake_server.registry import InstanceRegistry, registry_router
-from mooncake_server.store.master import StoreMaster, master_router
+from mooncake_server.rpc import RpcServer
+from mooncake_server.store.master import StoreMaster, master_router, serve_index_channel
 
 SECRET = "store-procs-secret"
 HEADERS = {SECRET_HEADER: SECRET}
@@ -48,30 +49,34 @@ async def until(predicate: Callable[[], object], timeout_s: float = 15.0,
 
 @dataclass
 class IndexServer:
-    """The conductor's registry + store-master routes on a local port (no model needed)."""
+    """The conductor's registry + store-master routes on a local port (no model needed), and
+    the index's binary report channel."""
 
     url: str
     master: StoreMaster
     registry: InstanceRegistry
+    channel: RpcServer
 
 
 @contextlib.asynccontextmanager
 async def index_server(replicas: int, **master_kw: object) -> AsyncIterator[IndexServer]:
-    """Serve the real registry and store-index routers, as the conductor mounts them."""
+    """Serve the real registry and store-index routers and channel, as the conductor does."""
     registry = InstanceRegistry(heartbeat_timeout_s=1.0)
     master = StoreMaster(registry, replicas, SECRET, **master_kw)  # type: ignore[arg-type]
     app = FastAPI()
     app.include_router(registry_router(registry, SECRET))
     app.include_router(master_router(master, SECRET))
+    channel = await serve_index_channel(master, "127.0.0.1", 0, "127.0.0.1", SECRET)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     task = asyncio.create_task(server.serve())
     await until(lambda: server.started, what="index server start")
     port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield IndexServer(f"http://127.0.0.1:{port}", master, registry)
+        yield IndexServer(f"http://127.0.0.1:{port}", master, registry, channel)
     finally:
         server.should_exit = True
         await task
+        await channel.close()
 
 
 @dataclass
