@@ -5,8 +5,9 @@ each changed key, coalesced, one POST in flight at a time) -> ... A delta the ma
 (it restarted, or forgot the node) triggers a new snapshot. While idle, an empty delta every
 `keepalive_s` lets a restarted conductor ask for that snapshot. Entries are states, not events,
 so re-sending after a failed POST is harmless. Once an answer names the index's binary channel,
-reports go there (one frame each, no HTTP request on either side); if the channel fails, that
-report goes over HTTP and the channel is dialled again after the next HTTP answer names it.
+reports go there (one frame each, no HTTP request on either side); if the channel fails, reports
+go over HTTP for `channel_retry_s`, then the channel is dialled again (an address this node
+cannot reach costs one failed call per period, not one per report).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class IndexReporter:
 
     def __init__(self, master_url: str, node_id: str, secret: str,
                  snapshot: Callable[[], list[StoreEntry]], *, keepalive_s: float = 2.0,
-                 coalesce_s: float = 0.02, http: httpx.AsyncClient | None = None) -> None:
+                 coalesce_s: float = 0.02, http: httpx.AsyncClient | None = None,
+                 channel_retry_s: float = 30.0) -> None:
         """`snapshot()` returns everything the node holds, synchronously (a consistent cut)."""
         self._url = master_url.rstrip("/") + "/internal/store/report"
         self.node_id = node_id
@@ -39,6 +41,8 @@ class IndexReporter:
         self._headers = {**secret_headers(secret), "content-type": "application/json"}
         self._secret = secret.encode()
         self._channel: RpcClient | None = None
+        self._channel_retry_s = channel_retry_s
+        self._channel_down_until = float("-inf")
         self._snapshot = snapshot
         self._keepalive_s = keepalive_s
         self._coalesce_s = coalesce_s
@@ -159,11 +163,14 @@ class IndexReporter:
                             self._channel.address, exc)
                 await self._channel.aclose()
                 self._channel = None
+                self._channel_down_until = asyncio.get_running_loop().time() + \
+                    self._channel_retry_s
         r = await self._http.post(self._url, content=payload, headers=self._headers)
         if r.status_code != 200:
             raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
         reply = StoreReportReply.model_validate_json(r.content)
-        if reply.channel and self._channel is None:
+        if (reply.channel and self._channel is None
+                and asyncio.get_running_loop().time() >= self._channel_down_until):
             read = self._http.timeout.read
             self._channel = RpcClient(reply.channel, self._secret,
                                       read if read is not None else 10.0)
