@@ -262,8 +262,9 @@ def _error_reply(op: int, exc: Exception) -> tuple[RpcStatus, bytes]:
 class RpcClient:
     """One persistent connection to an RpcServer, (re)opened on demand; calls are pipelined."""
 
-    def __init__(self, address: str, secret: bytes, timeout_s: float = 10.0) -> None:
-        """Call the server at `address` ("host:port"); each call is bounded by `timeout_s`."""
+    def __init__(self, address: str, secret: bytes, timeout_s: float | None = 10.0) -> None:
+        """Call the server at `address` ("host:port"); each call is bounded by `timeout_s`
+        (None: unbounded, like an httpx client without a read timeout)."""
         host, _, port = address.rpartition(":")
         self.address = address
         self._host, self._port = host.strip("[]"), int(port)

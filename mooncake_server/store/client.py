@@ -44,15 +44,11 @@ from mooncake_server.transfer import (
     TransferEngine,
     TransferError,
     TransferRequest,
-    crc32c_many,
 )
 
 logger = logging.getLogger(__name__)
 
 _Reply = TypeVar("_Reply", bound=BaseModel)
-# Verifying checksums of more than this many bytes goes to a worker thread (keeps the loop free);
-# below it the thread hop would cost more than the checksum (~45 us per MiB here).
-_INLINE_VERIFY_BYTES = 1 << 20
 
 
 class StoreError(RuntimeError):
@@ -89,9 +85,7 @@ class StoreClient:
         self._rpc: RpcClient | None = None
         self._notified = False  # releases sent without an answer since the last settle()
         if location.control_address:
-            read = http.timeout.read
-            self._rpc = RpcClient(location.control_address, secret.encode(),
-                                  read if read is not None else 10.0)
+            self._rpc = RpcClient(location.control_address, secret.encode(), http.timeout.read)
 
     @property
     def location(self) -> StoreLocation:
@@ -229,9 +223,9 @@ class StoreClient:
         except (TransferError, OSError) as exc:
             raise StoreError(f"reading {len(keys)} blocks from store "
                              f"{self._location.instance_id} failed: {exc}") from exc
-        for key, obj in zip(keys, found):
-            if obj is not None and obj.landed_crc != obj.stored_crc:
-                raise ChecksumError(key, obj.stored_crc, obj.landed_crc)
+        hits = [(key, obj) for key, obj in zip(keys, found) if obj is not None]
+        _verify([k for k, _ in hits], [o.stored_crc for _, o in hits],
+                [o.landed_crc for _, o in hits])
         return [obj is not None for obj in found]
 
     async def _read_leased(self, keys: list[str], addrs: list[int], sizes: list[int],
@@ -262,13 +256,7 @@ class StoreClient:
             except (TransferError, OSError) as exc:
                 raise StoreError(f"reading {len(idx)} blocks from store "
                                  f"{self._location.instance_id} failed: {exc}") from exc
-            args = ([keys[i] for i in idx], [addrs[i] for i in idx], [sizes[i] for i in idx],
-                    reply.checksums[:len(idx)], landed)
-            unsummed = sum(n for n, crc in zip(args[2], landed) if crc is None)
-            if unsummed > _INLINE_VERIFY_BYTES:
-                await asyncio.to_thread(_verify, *args)
-            else:
-                _verify(*args)
+            _verify([keys[i] for i in idx], reply.checksums[:len(idx)], landed)
             got = [False] * len(keys)
             for i in idx:
                 got[i] = True
@@ -363,19 +351,9 @@ class StoreClient:
             logger.warning("releasing lease %s failed: %s", lease_id, exc)
 
 
-def _verify(keys: list[str], addrs: list[int], sizes: list[int], expected: list[int],
-            landed: list[int | None] | None = None) -> None:
-    """Raise ChecksumError for the first block whose bytes do not match its stored CRC32C.
-
-    `landed`: CRCs the transfer engine computed as the bytes landed (None where it could not);
-    only blocks without one are read again here.
-    """
-    got: list[int | None] = list(landed) if landed is not None else [None] * len(keys)
-    missing = [j for j, crc in enumerate(got) if crc is None]
-    if missing:
-        for j, crc in zip(missing, crc32c_many([addrs[j] for j in missing],
-                                               [sizes[j] for j in missing])):
-            got[j] = crc
-    for key, got_crc, want in zip(keys, got, expected):
-        if got_crc != want:
-            raise ChecksumError(key, want, got_crc if got_crc is not None else 0)
+def _verify(keys: list[str], stored: list[int], landed: list[int | None]) -> None:
+    """Raise ChecksumError for the first block whose landed CRC32C (computed by the transfer
+    engine as its bytes arrived) is not the one it was stored with."""
+    for key, want, got in zip(keys, stored, landed):
+        if got != want:
+            raise ChecksumError(key, want, got if got is not None else 0)

@@ -171,7 +171,5 @@ class IndexReporter:
         reply = StoreReportReply.model_validate_json(r.content)
         if (reply.channel and self._channel is None
                 and asyncio.get_running_loop().time() >= self._channel_down_until):
-            read = self._http.timeout.read
-            self._channel = RpcClient(reply.channel, self._secret,
-                                      read if read is not None else 10.0)
+            self._channel = RpcClient(reply.channel, self._secret, self._http.timeout.read)
         return reply

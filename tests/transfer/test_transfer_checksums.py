@@ -19,6 +19,12 @@ def client(transport: str, **kw: object) -> TransferEngine:
                           slice_bytes=SLICE, **kw)  # type: ignore[arg-type]
 
 
+def opened(engine: TransferEngine, peer: Peer, size: int) -> tuple[memoryview, int, int]:
+    """Local registered memory (buffer, base address) and the peer's segment "kv" opened."""
+    local = engine.alloc_shared("local", size)
+    return local, address_of(local), engine.open_segment(peer.address, "kv")
+
+
 # lengths around the slice boundaries, several slices, and the empty read
 LENGTHS = [1, 7, SLICE - 1, SLICE, SLICE + 1, 3 * SLICE + 17, 10 * SLICE, 0, 767, 768, 100_003]
 
@@ -28,9 +34,7 @@ LENGTHS = [1, 7, SLICE - 1, SLICE, SLICE + 1, 3 * SLICE + 17, 10 * SLICE, 0, 767
 async def test_each_read_returns_the_crc_of_what_landed(peer: Peer, expected: bytes,
                                                         transport: str, verify_crc: bool) -> None:
     with client(transport, verify_crc=verify_crc) as engine:
-        local = engine.alloc_shared("local", 4 * MiB)
-        base = address_of(local)
-        handle = engine.open_segment(peer.address, "kv")
+        local, base, handle = opened(engine, peer, 4 * MiB)
         assert engine.transport_of(handle) == transport
         rng = random.Random(5)
         reqs, pos = [], 3  # odd local and remote offsets: no alignment to lean on
@@ -52,9 +56,7 @@ async def test_many_small_requests_in_one_batch(peer: Peer, expected: bytes,
                                                 transport: str) -> None:
     # small requests to one segment are pipelined as groups on one connection (TCP)
     with client(transport) as engine:
-        local = engine.alloc_shared("local", 2 * MiB)
-        base = address_of(local)
-        handle = engine.open_segment(peer.address, "kv")
+        _, base, handle = opened(engine, peer, 2 * MiB)
         rng = random.Random(11)
         reqs, pos = [], 0
         for _ in range(300):
@@ -71,9 +73,7 @@ async def test_many_small_requests_in_one_batch(peer: Peer, expected: bytes,
 async def test_batch_api_writes_and_plain_reads_have_none(peer: Peer, expected: bytes,
                                                           transport: str) -> None:
     with client(transport) as engine:
-        local = engine.alloc_shared("local", 1 * MiB)
-        base = address_of(local)
-        handle = engine.open_segment(peer.address, "kv")
+        local, base, handle = opened(engine, peer, 1 * MiB)
         off = 9 * MiB
         local[:200 * KiB] = expected[off:off + 200 * KiB]  # WRITE back what is there already
         batch = engine.allocate_batch(3)
@@ -93,9 +93,7 @@ async def test_batch_api_writes_and_plain_reads_have_none(peer: Peer, expected: 
 
 async def test_failed_request_has_no_checksum(peer: Peer, expected: bytes) -> None:
     with client("tcp") as engine:
-        local = engine.alloc_shared("local", 1 * MiB)
-        base = address_of(local)
-        handle = engine.open_segment(peer.address, "kv")
+        _, base, handle = opened(engine, peer, 1 * MiB)
         batch = engine.allocate_batch(2)
         engine.submit_transfer(batch, [
             TransferRequest(Op.READ, base, handle, 5, 200 * KiB),
