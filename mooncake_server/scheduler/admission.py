@@ -7,9 +7,11 @@ refused (HTTP 503, which the conductor turns into another decode instance or a 4
   - KV: the worst-case blocks of every held request (prompt + max_tokens, capped by the context
     window) plus its own exceed the pool: admitted, it could run out of blocks mid-stream;
   - TBT (with --tbt-slo): the step time predicted for the batch with it — the cost model
-    (--profile or built-in), calibrated by the steps this instance measured (their slow tail:
-    TBT is judged on the longest gaps) — exceeds the SLO.
-An idle instance takes any request, so one too large for the SLO alone is still served.
+    (--profile or built-in), calibrated by the steps this instance measured in the last
+    `horizon_s` seconds (their slow tail: TBT is judged on the longest gaps) — exceeds the SLO.
+An idle instance takes any request, so one too large for the SLO alone is still served; and an
+instance that ran no steps for `horizon_s` predicts with the bare model again, so an overload's
+slow steps do not outlive it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mooncake_server.scheduler.calibration import TailCalibration
+from mooncake_server.scheduler.calibration import DEFAULT_HORIZON_S, TailCalibration
 from mooncake_server.scheduler.perf_model import PerfModel
 
 
@@ -39,14 +41,15 @@ class DecodeAdmission:
 
     def __init__(self, total_blocks: int, block_tokens: int, max_model_len: int, *,
                  model: PerfModel | None = None, tbt_slo_s: float | None = None,
-                 ttl_s: float = 120.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 ttl_s: float = 120.0, horizon_s: float = DEFAULT_HORIZON_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.total_blocks = total_blocks
         self.block_tokens = block_tokens
         self.max_model_len = max_model_len
         self.model = model
         self.tbt_slo_s = tbt_slo_s
         self.ttl_s = ttl_s
-        self._calibration = TailCalibration()
+        self._calibration = TailCalibration(horizon_s=horizon_s, clock=clock)
         self.refused = 0
         self._clock = clock
         self._held: dict[str, _Hold] = {}
@@ -81,7 +84,7 @@ class DecodeAdmission:
 
     @property
     def calibration(self) -> float:
-        """Measured / modelled step time (a high quantile of recent steps)."""
+        """Measured / modelled step time (a high quantile of the steps of the last horizon_s)."""
         return self._calibration.value
 
     def predicted_step_s(self, batch: int, context: int) -> float | None:

@@ -8,7 +8,9 @@ it: the scheduler picks the next decode instance, and when none is left the requ
 with Retry-After) -> the decode job claims it -> or, when the request ends at prefill, a
 fire-and-forget POST /internal/decode/release. An instance that does not answer the reservation
 (unreachable, or without admission control) is used as planned: the decode job itself reports
-what goes wrong.
+what goes wrong. A request cancelled while its reservation is in flight (the client went away)
+releases it too: the instance may have taken it, and an orphaned hold would count against every
+later request there until its TTL.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ log = logging.getLogger(__name__)
 Repick = Callable[[GenerateRequest, set[str]], InstanceInfo | None]
 _TIMEOUT_S = 5.0
 _RETRY_AFTER_S = 1.0
+# Releases of reservations whose request was cancelled: the caller's task set went with it.
+_orphan_releases: set[asyncio.Task[None]] = set()
 
 
 def _reason(response: httpx.Response) -> str:
@@ -59,6 +63,9 @@ async def reserve_decode(http: httpx.AsyncClient, headers: dict[str, str],
         except httpx.HTTPError as exc:
             log.debug("reserving on %s failed (%r); using it unreserved", decode.instance_id, exc)
             return decode
+        except asyncio.CancelledError:
+            release_decode_later(http, headers, decode, request.request_id, _orphan_releases)
+            raise
         if r.status_code != 503:
             return decode  # admitted, or an instance without admission control
         refused[decode.instance_id] = _reason(r)

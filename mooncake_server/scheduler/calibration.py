@@ -1,37 +1,120 @@
-"""Calibration of modelled step times by measured ones, at the tail the TBT SLO is judged on.
+"""Calibration of modelled times by measured ones, kept only while the measurements are recent.
 
 A request's TBT is the mean of its longest 10% of token gaps (the paper's definition), so a mean
 correction under-predicts what the SLO sees whenever steps vary (a prefill sharing the CPU, a
 long batch). `TailCalibration` keeps the recent measured / modelled ratios and answers their
 90th percentile, so admission and the scheduler's TBT estimates budget for the slow steps.
+`SmoothedCalibration` is the prefill side's moving average of the same ratio.
+
+Both forget by time as well as by count: a ratio older than `horizon_s` is dropped when the
+value is read. Only admitted work produces measurements, so a calibration that aged by count
+alone would keep an overload's slow steps forever once they made admission refuse everything;
+with the horizon, an idle instance is back on its modelled (uncalibrated) times after
+`horizon_s` seconds.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
+
+# NOTE: long enough to hold a useful tail under load: token gaps arrive tens per second, so
+# the 256-sample window fills well inside it, and at a few requests per second the hand-off tail
+# (one sample per request) still sees tens of samples. Short enough that a client honouring
+# Retry-After (1 s) gets through about ten seconds after an overload ends, not never.
+DEFAULT_HORIZON_S = 10.0
+
+
+class _Recent:
+    """Clamped ratios with the time each was measured, at most `window` of them."""
+
+    def __init__(self, window: int, lo: float, hi: float, horizon_s: float,
+                 clock: Callable[[], float]) -> None:
+        if window < 1:
+            raise ValueError(f"window must be positive, got {window}")
+        if horizon_s <= 0:
+            raise ValueError(f"horizon_s must be positive, got {horizon_s}")
+        self.lo, self.hi = lo, hi
+        self.horizon_s = horizon_s
+        self._clock = clock
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (measured at, ratio)
+        self.changed = False  # since the owner last computed its value
+
+    def add(self, measured_s: float, modelled_s: float) -> None:
+        """Keep measured / modelled, clamped, stamped now (nothing if nothing was modelled)."""
+        if modelled_s <= 0:
+            return
+        ratio = min(self.hi, max(self.lo, measured_s / modelled_s))
+        self.samples.append((self._clock(), ratio))
+        self.changed = True
+
+    def expire(self) -> None:
+        """Drop the samples older than the horizon."""
+        # Appended in clock order, so the oldest are at the left.
+        cutoff = self._clock() - self.horizon_s
+        while self.samples and self.samples[0][0] <= cutoff:
+            self.samples.popleft()
+            self.changed = True
 
 
 class TailCalibration:
-    """A high quantile of recent measured / modelled ratios (1.0 until something is measured)."""
+    """A high quantile of recent measured / modelled ratios (1.0 when none is recent)."""
 
     def __init__(self, *, quantile: float = 0.9, window: int = 256, lo: float = 0.5,
-                 hi: float = 30.0) -> None:
+                 hi: float = 30.0, horizon_s: float = DEFAULT_HORIZON_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not 0.0 < quantile <= 1.0:
             raise ValueError(f"quantile must be in (0, 1], got {quantile}")
         self.quantile = quantile
-        self.lo, self.hi = lo, hi
-        self._ratios: deque[float] = deque(maxlen=window)
+        self._recent = _Recent(window, lo, hi, horizon_s, clock)
         self._value = 1.0
 
     def add(self, measured_s: float, modelled_s: float) -> None:
         """One measured step (or gap) against what the model predicted for it."""
-        if modelled_s <= 0:
-            return
-        self._ratios.append(min(self.hi, max(self.lo, measured_s / modelled_s)))
-        ordered = sorted(self._ratios)
-        self._value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        self._recent.add(measured_s, modelled_s)
 
     @property
     def value(self) -> float:
         """The factor to multiply modelled step times by."""
+        recent = self._recent
+        recent.expire()
+        if recent.changed:
+            # Sorted on read, not per sample: samples arrive per token, reads per request.
+            ordered = sorted(ratio for _, ratio in recent.samples)
+            self._value = (ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+                           if ordered else 1.0)
+            recent.changed = False
+        return self._value
+
+
+class SmoothedCalibration:
+    """An exponential moving average of recent measured / modelled ratios, starting at 1.0."""
+
+    # NOTE: the seed's weight after 64 samples is (1 - alpha)^64, about 1e-10 at alpha 0.3: the
+    # window changes nothing against an unbounded average while every sample is recent.
+    def __init__(self, *, alpha: float = 0.3, window: int = 64, lo: float = 0.25,
+                 hi: float = 8.0, horizon_s: float = DEFAULT_HORIZON_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self._recent = _Recent(window, lo, hi, horizon_s, clock)
+        self._value = 1.0
+
+    def add(self, measured_s: float, modelled_s: float) -> None:
+        """One measured job against what the model predicted for it."""
+        self._recent.add(measured_s, modelled_s)
+
+    @property
+    def value(self) -> float:
+        """The factor to multiply modelled times by."""
+        recent = self._recent
+        recent.expire()
+        if recent.changed:
+            value = 1.0
+            for _, ratio in recent.samples:
+                value += self.alpha * (ratio - value)
+            self._value = value
+            recent.changed = False
         return self._value

@@ -24,6 +24,8 @@ class PrefillEstimate(NamedTuple):
     compute_s: float  # calibrated prefill compute of the uncached tokens
     reused_tokens: int  # prefix tokens not recomputed (local + fetched)
     fetched_tokens: int  # of those, moved from a remote store node
+    # The factor compute_s was scaled by: calibrations age, so a later read may differ.
+    calibration: float = 1.0
 
 
 def reusable_blocks(prompt_tokens: int, block_tokens: int) -> int:
@@ -49,8 +51,9 @@ def estimate_prefill(model: PerfModel, instance_id: str, prompt_tokens: int, *,
     fetch = fetch_transfer + model.prefill_s(prompt_tokens - remote, remote) * calibration
     if remote > local and fetch < stay:
         return PrefillEstimate(instance_id, queue_s + fetch, queue_s, fetch_transfer,
-                               fetch - fetch_transfer, remote, remote - local)
-    return PrefillEstimate(instance_id, queue_s + stay, queue_s, 0.0, stay, local, 0)
+                               fetch - fetch_transfer, remote, remote - local, calibration)
+    return PrefillEstimate(instance_id, queue_s + stay, queue_s, 0.0, stay, local, 0,
+                           calibration)
 
 
 def estimate_tbt(model: PerfModel, load: DecodeLoad, context_tokens: int) -> float:

@@ -7,6 +7,9 @@ the gaps between them calibrate the decode instance's step-time estimates) ->
 finished (leaves the decode batch). Heartbeats arrive about once a second; the ledger changes
 with every request, so between beats it is the fresher view, and a beat reporting more work than
 the ledger knows (another conductor, a restart) raises the estimate, never lowers it.
+Calibrations keep only the measurements of the last `horizon_s` seconds (calibration.py): an
+instance that gets no work, say because its slow measurements made the SLOs reject everything,
+is judged by the model again once they age out.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from mooncake_server.messages import Heartbeat
-from mooncake_server.scheduler.calibration import TailCalibration
+from mooncake_server.scheduler.calibration import (
+    DEFAULT_HORIZON_S,
+    SmoothedCalibration,
+    TailCalibration,
+)
 
-# Calibration: measured/estimated prefill time, smoothed; clamped so one outlier cannot make an
-# instance look idle or dead.
-_CAL_ALPHA = 0.3
-_CAL_MIN, _CAL_MAX = 0.25, 8.0
 # The hand-off gap is modelled as this many decode steps (wait for the running step, then the
 # request's own) before its calibration; the KV load rides inside the calibrated factor.
 HANDOFF_STEPS = 2.0
@@ -35,23 +38,28 @@ class _PrefillEntry:
     assigned_at: float
 
 
+class _Calibrations(NamedTuple):
+    """What one process of an instance measured against the model."""
 
-
-@dataclass
-class _Instance:
-    prefill: list[_PrefillEntry] = field(default_factory=list)  # FIFO, as the instance serves
-    last_done_at: float = float("-inf")
-    calibration: float = 1.0
-    decode: dict[str, int] = field(default_factory=dict)  # request id -> context tokens
+    # Measured / estimated prefill time of a queue's head, smoothed; clamped (0.25..8) so one
+    # outlier cannot make an instance look idle or dead.
+    prefill: SmoothedCalibration
     # Every token gap against the modelled step: the slow tail, as TBT is judged (CPU
     # contention on a shared host can slow steps many times over).
-    decode_calibration: TailCalibration = field(default_factory=TailCalibration)
+    decode: TailCalibration
     # The gap between a request's first token (prefill) and its second (decode's first step):
     # the hand-off (decode job, KV load, joining the batch), against HANDOFF_STEPS modelled
     # steps. With short outputs it is the longest gap, so it decides the request's TBT; one per
     # request, so the quantile kept is about the share of requests meant to meet the SLO.
-    handoff_calibration: TailCalibration = field(
-        default_factory=lambda: TailCalibration(quantile=0.98))
+    handoff: TailCalibration
+
+
+@dataclass
+class _Instance:
+    cal: _Calibrations
+    prefill: list[_PrefillEntry] = field(default_factory=list)  # FIFO, as the instance serves
+    last_done_at: float = float("-inf")
+    decode: dict[str, int] = field(default_factory=dict)  # request id -> context tokens
 
 
 class DecodeLoad(NamedTuple):
@@ -64,8 +72,10 @@ class DecodeLoad(NamedTuple):
 class LoadTracker:
     """Per-instance prefill queues and decode batches of requests this conductor placed."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *,
+                 horizon_s: float = DEFAULT_HORIZON_S) -> None:
         self._clock = clock
+        self.horizon_s = horizon_s
         self._instances: dict[str, _Instance] = {}
         self._prefill_of: dict[str, str] = {}  # request id -> prefill instance
         self._decode_of: dict[str, str] = {}  # request id -> decode instance
@@ -74,7 +84,16 @@ class LoadTracker:
         self._incarnations: dict[str, str] = {}  # instance id -> the process last registered
 
     def _get(self, instance_id: str) -> _Instance:
-        return self._instances.setdefault(instance_id, _Instance())
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            inst = self._instances[instance_id] = _Instance(self._fresh_calibrations())
+        return inst
+
+    def _fresh_calibrations(self) -> _Calibrations:
+        h, clock = self.horizon_s, self._clock
+        return _Calibrations(SmoothedCalibration(horizon_s=h, clock=clock),
+                             TailCalibration(horizon_s=h, clock=clock),
+                             TailCalibration(quantile=0.98, horizon_s=h, clock=clock))
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -89,11 +108,8 @@ class LoadTracker:
             return
         # Its work in flight stays counted (failover moves it and tells us); what it measured
         # about the dead process (often a cold start's slow outliers) must not starve the new one.
-        fresh = _Instance()
-        inst.calibration = fresh.calibration
-        inst.last_done_at = fresh.last_done_at
-        inst.decode_calibration = fresh.decode_calibration
-        inst.handoff_calibration = fresh.handoff_calibration
+        inst.cal = self._fresh_calibrations()
+        inst.last_done_at = float("-inf")
 
     def assign(self, request_id: str, prefill_id: str, prefill_estimate_s: float,
                decode_id: str, context_tokens: int) -> None:
@@ -115,11 +131,9 @@ class LoadTracker:
         for i, entry in enumerate(inst.prefill):
             if entry.request_id == request_id:
                 started = max(entry.assigned_at, inst.last_done_at)
-                if i == 0 and entry.estimate_s > 0:
+                if i == 0:
                     # Only the head was measured alone; later ones overlapped its wait.
-                    ratio = (now - started) / entry.estimate_s
-                    ratio = min(_CAL_MAX, max(_CAL_MIN, ratio))
-                    inst.calibration += _CAL_ALPHA * (ratio - inst.calibration)
+                    inst.cal.prefill.add(now - started, entry.estimate_s)
                 del inst.prefill[i]
                 break
         inst.last_done_at = now
@@ -144,9 +158,9 @@ class LoadTracker:
         if not predicted_step_s:
             return
         if last is not None:
-            inst.decode_calibration.add(now - last, predicted_step_s)
+            inst.cal.decode.add(now - last, predicted_step_s)
         elif first is not None:
-            inst.handoff_calibration.add(now - first, HANDOFF_STEPS * predicted_step_s)
+            inst.cal.handoff.add(now - first, HANDOFF_STEPS * predicted_step_s)
 
     def move_decode(self, request_id: str, decode_id: str) -> None:
         """The request's decode instance changed (the planned one refused it at admission)."""
@@ -177,17 +191,17 @@ class LoadTracker:
     def calibration(self, instance_id: str) -> float:
         """Measured / estimated prefill time on this instance (1.0 until measured)."""
         inst = self._instances.get(instance_id)
-        return inst.calibration if inst else 1.0
+        return inst.cal.prefill.value if inst else 1.0
 
     def handoff_calibration(self, instance_id: str) -> float:
         """Measured / modelled hand-off gaps of a decode instance (their slow tail)."""
         inst = self._instances.get(instance_id)
-        return inst.handoff_calibration.value if inst else 1.0
+        return inst.cal.handoff.value if inst else 1.0
 
     def decode_calibration(self, instance_id: str) -> float:
         """Measured / modelled decode step time on this instance (1.0 until measured)."""
         inst = self._instances.get(instance_id)
-        return inst.decode_calibration.value if inst else 1.0
+        return inst.cal.decode.value if inst else 1.0
 
     def decode_of(self, request_id: str) -> str | None:
         """The decode instance a request was placed on."""
@@ -196,7 +210,7 @@ class LoadTracker:
     def prefill_queue_s(self, instance_id: str, beat: Heartbeat | None = None) -> float:
         """Seconds until this instance could start a new prefill (calibrated)."""
         inst = self._instances.get(instance_id)
-        cal = inst.calibration if inst else 1.0
+        cal = inst.cal.prefill.value if inst else 1.0
         queue = [e.estimate_s * cal for e in inst.prefill] if inst else []
         total = sum(queue)
         if inst and inst.prefill:

@@ -118,8 +118,7 @@ class KVCacheScheduler:
             self._plans[request.request_id] = plan
             est = plan.prefill_estimate
             # The ledger stores the uncalibrated estimate; it applies the calibration itself.
-            uncalibrated = (est.compute_s / self.tracker.calibration(est.instance_id)
-                            + est.transfer_s)
+            uncalibrated = est.compute_s / est.calibration + est.transfer_s
             self.tracker.assign(request.request_id, est.instance_id, uncalibrated,
                                 plan.decode.instance_id, len(request.prompt_token_ids))
         return plan

@@ -25,13 +25,17 @@ DECODE_BLOCKS = 64  # the decode pool: two worst-case requests of the 128-token 
 
 @dataclass
 class Cluster:
-    """Base URLs of each role; `prefill` lists prefill-0 (layer-wise) then prefill-1 (after)."""
+    """Base URLs of each role; `prefill` lists prefill-0 (layer-wise) then prefill-1 (after).
+
+    `conductor_app` is the conductor's app itself: the apps run in this process.
+    """
 
     conductor: str = ""
     store: str = ""
     prefill: list[str] = field(default_factory=list)
     decode: str = ""
     headers: dict[str, str] = field(default_factory=lambda: {"X-Mooncake-Secret": SECRET})
+    conductor_app: Any = None
 
     def metric(self, url: str, name: str) -> float:
         """Sum of one metric's samples on one role."""
@@ -49,8 +53,13 @@ def _config(role: str, port: int, model: str, **extra: Any) -> ServerConfig:
     return ServerConfig(**{**settings, **extra})
 
 
-def start(model: str, policy: str) -> tuple[Cluster, ServerThread, list[socket.socket]]:
-    """Start every role; returns once the conductor sees all of them."""
+def start(model: str, policy: str,
+          **slo: Any) -> tuple[Cluster, ServerThread, list[socket.socket]]:
+    """Start every role; returns once the conductor sees all of them.
+
+    `slo`: settings of both the conductor and the decode instance (the SLOs, the cost model),
+    as `--role all` passes them.
+    """
     servers, sockets, c = ServerThread(), [], Cluster()
 
     def serve(role: str, **extra: Any) -> str:
@@ -58,16 +67,19 @@ def start(model: str, policy: str) -> tuple[Cluster, ServerThread, list[socket.s
         sockets.append(sock)
         if role != "conductor":
             extra["conductor_url"] = c.conductor
-        servers.serve(app_for_role(_config(role, port, model, **extra)), sock)
+        app = app_for_role(_config(role, port, model, **extra))
+        if role == "conductor":
+            c.conductor_app = app
+        servers.serve(app, sock)
         return f"http://127.0.0.1:{port}"
 
-    c.conductor = serve("conductor", policy=policy)
+    c.conductor = serve("conductor", policy=policy, **slo)
     c.store = serve("store")
     c.prefill = [serve("prefill", instance_id="prefill-0", kv_write="layer"),
                  serve("prefill", instance_id="prefill-1", kv_write="after")]
     block_bytes = 2 * 2 * BLOCK * 1 * 16 * 4  # layers x (K, V) x tokens x kv heads x dim x f32
     c.decode = serve("decode", instance_id="decode-0",
-                     kv_memory_bytes=DECODE_BLOCKS * block_bytes)
+                     kv_memory_bytes=DECODE_BLOCKS * block_bytes, **slo)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         r = httpx.get(c.conductor + "/health", timeout=5)

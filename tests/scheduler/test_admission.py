@@ -75,3 +75,16 @@ def test_calibration_budgets_for_the_slow_tail_of_steps() -> None:
     for i in range(100):  # most steps as modelled, one in five 3x slower (a prefill nearby)
         cal.add(0.3 if i % 5 == 0 else 0.1, 0.1)
     assert cal.value == pytest.approx(3.0)  # TBT is judged on the longest gaps
+
+
+def test_slow_steps_stop_counting_once_the_instance_ran_none_for_the_horizon() -> None:
+    clock = Clock()
+    a = DecodeAdmission(1000, 4, 64, model=MODEL, tbt_slo_s=0.1, horizon_s=10.0, clock=clock)
+    a.reserve("a", prompt_tokens=4, max_tokens=4)
+    for _ in range(100):
+        a.observe_step(batch=1, context=4, seconds=0.5)  # an overload: steps 20x the model
+    with pytest.raises(AdmissionRefused, match="TBT"):
+        a.reserve("b", prompt_tokens=4, max_tokens=4)
+    clock.now += 10.0  # "a" waits for its decode job; no step ran since
+    a.reserve("b", prompt_tokens=4, max_tokens=4)  # 30 ms as modelled
+    assert a.calibration == 1.0

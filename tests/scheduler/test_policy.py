@@ -205,3 +205,20 @@ async def test_missing_role_means_no_plan() -> None:
     s = KVCacheScheduler(cluster(prefill=0), MODEL, block_tokens=BT)
     assert await s.plan(request("r", 100), keys(100)) is None
     assert s.pick_prefill(request("r", 100), []) is None
+
+
+async def test_tbt_rejections_end_once_the_overload_measurements_age_out() -> None:
+    """An overload taught the ledger slow hand-offs; the retries it refuses measure nothing, so
+    only time can clear them: once the last one is a horizon old, the model decides again."""
+    clock = Clock()
+    s = scheduler("cache-global", tbt_slo=0.1, decode=1)
+    s.tracker = LoadTracker(clock, horizon_s=10.0)
+    _learn_slow_hand_offs(s, clock, "d1")
+    last_measured = clock.now
+    for i in range(5):  # an idle cluster, clients retrying after Retry-After
+        with pytest.raises(SLORejected, match="TBT"):
+            await s.plan(request(f"retry{i}", 100), keys(100))
+        clock.now += 1.0
+    clock.now = last_measured + 10.0
+    plan = await s.plan(request("r", 100), keys(100))
+    assert plan is not None and plan.tbt_s == pytest.approx(0.05)  # 2 × 25 ms, as modelled

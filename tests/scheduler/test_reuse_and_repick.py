@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from sched_helpers import BT, MODEL, Clock, cluster, request
 from test_policy import keys, scheduler
 
-from mooncake_server.messages import DecodeReserve
+from mooncake_server.messages import DecodeRelease, DecodeReserve
 from mooncake_server.scheduler.admission_client import reserve_decode
 from mooncake_server.scheduler.load import LoadTracker
 from mooncake_server.scheduler.oracle import STORE_WIDE
@@ -101,3 +103,35 @@ async def test_when_every_decode_instance_refuses_the_answer_is_an_early_429() -
         await reserve({"d1": 503, "d2": 503})
     assert info.value.status == 429 and info.value.retry_after_s >= 1
     assert "KV memory" in str(info.value)
+
+
+class Unanswered(httpx.AsyncBaseTransport):
+    """A decode instance that never answers a reservation (it may have taken it) but releases."""
+
+    def __init__(self) -> None:
+        self.reserving = asyncio.Event()
+        self.released: asyncio.Queue[str] = asyncio.Queue()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/internal/decode/reserve":
+            self.reserving.set()
+            await asyncio.Event().wait()
+        self.released.put_nowait(DecodeRelease.model_validate_json(await request.aread())
+                                 .request_id)
+        return httpx.Response(200, json={"released": True})
+
+
+async def test_a_request_cancelled_while_reserving_releases_what_it_may_hold() -> None:
+    s = scheduler("cache-global", decode=1)
+    req = request("r", 100)
+    plan = await s.plan(req, keys(100))
+    assert plan is not None
+    transport = Unanswered()
+    async with httpx.AsyncClient(transport=transport) as http:
+        task = asyncio.create_task(
+            reserve_decode(http, {}, req, plan.decode, s.registry, s.repick_decode))
+        await transport.reserving.wait()
+        task.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await asyncio.wait_for(transport.released.get(), 5) == "r"

@@ -1,0 +1,80 @@
+"""Calibrations forget by time: an overload's slow measurements do not outlive it."""
+
+from __future__ import annotations
+
+import pytest
+from sched_helpers import Clock
+
+from mooncake_server.scheduler.calibration import SmoothedCalibration, TailCalibration
+
+
+def test_the_tail_forgets_slow_steps_once_they_are_older_than_the_horizon() -> None:
+    clock = Clock()
+    cal = TailCalibration(horizon_s=10.0, clock=clock)
+    for _ in range(256):  # an overload: the window full of steps 20x the model
+        cal.add(2.0, 0.1)
+    assert cal.value == pytest.approx(20.0)
+    clock.now += 9.9  # idle: rejected requests measure nothing
+    assert cal.value == pytest.approx(20.0)
+    clock.now += 0.1
+    assert cal.value == 1.0  # back on the model
+
+
+def test_the_tail_is_taken_over_recent_samples_only() -> None:
+    clock = Clock()
+    cal = TailCalibration(horizon_s=10.0, clock=clock)
+    for _ in range(100):
+        cal.add(0.5, 0.1)  # the overload's steps, 5x the model
+    clock.now += 6.0
+    for _ in range(20):
+        cal.add(0.1, 0.1)  # a few requests since, as modelled
+    assert cal.value == pytest.approx(5.0)  # the old ones still dominate the tail
+    clock.now += 4.0
+    assert cal.value == pytest.approx(1.0)  # only the recent ones are left
+
+
+def test_the_tail_keeps_its_quantile_and_clamp() -> None:
+    cal = TailCalibration(clock=Clock())
+    for i in range(100):  # one step in five 3x slower
+        cal.add(0.3 if i % 5 == 0 else 0.1, 0.1)
+    assert cal.value == pytest.approx(3.0)
+    cal.add(100.0, 0.1)
+    cal.add(0.0, 0.1)
+    cal.add(1.0, 0.0)  # nothing modelled: ignored
+    assert cal.value == pytest.approx(3.0)
+    top = TailCalibration(quantile=1.0, clock=Clock())
+    top.add(100.0, 0.1)
+    assert top.value == 30.0
+
+
+def test_the_smoothed_average_is_the_old_one_while_samples_are_recent() -> None:
+    clock = Clock()
+    cal = SmoothedCalibration(horizon_s=10.0, clock=clock)
+    expected = 1.0
+    for ratio in (3.0, 3.0, 0.1, 20.0, 2.0):
+        clock.now += 1.0
+        cal.add(ratio, 1.0)
+        clamped = min(8.0, max(0.25, ratio))
+        expected += 0.3 * (clamped - expected)
+        assert cal.value == pytest.approx(expected)
+
+
+def test_the_smoothed_average_forgets_old_samples() -> None:
+    clock = Clock()
+    cal = SmoothedCalibration(horizon_s=10.0, clock=clock)
+    for _ in range(20):
+        cal.add(8.0, 1.0)
+    assert cal.value > 7.9
+    clock.now += 5.0
+    cal.add(2.0, 1.0)
+    clock.now += 5.0  # the first twenty are gone; the average restarts from the model
+    assert cal.value == pytest.approx(1.0 + 0.3 * (2.0 - 1.0))
+    clock.now += 5.0
+    assert cal.value == 1.0
+
+
+@pytest.mark.parametrize("make", [TailCalibration, SmoothedCalibration])
+def test_a_horizon_must_be_positive(make: type) -> None:
+    with pytest.raises(ValueError, match="horizon_s"):
+        make(horizon_s=0.0)
+
