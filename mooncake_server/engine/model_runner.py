@@ -10,7 +10,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mooncake_server.engine.attention import PagedContext, SeqSlice, register_paged_attention
+from mooncake_server.engine.attention import (
+    AttentionPlan,
+    DecodeBatch,
+    PromptSlice,
+    causal_mask,
+    register_paged_attention,
+)
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.sequence import Sequence
 
@@ -62,34 +68,75 @@ class ModelRunner:
         Every item's `seq.block_ids` must already cover `num_computed + num_new` tokens.
         `on_layer(l)` is called as soon as layer l's new K/V are written to the pool.
         """
-        bt = self.layout.block_tokens
-        block_rows = self.layout.num_layers * 2 * bt  # pool rows per block
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slices: list[SeqSlice] = []
-        slot_rows: list[torch.Tensor] = []
-        for it in items:
-            s = it.seq
-            start = s.num_computed
-            end = start + it.num_new
-            if len(s.block_ids) * bt < end:
-                raise RuntimeError(f"{s.request_id}: blocks cover {len(s.block_ids) * bt} < {end}")
-            pos = torch.arange(end)
-            table = torch.tensor(s.block_ids[:-(-end // bt)], dtype=torch.long)
-            ctx_rows = table[pos // bt] * block_rows + pos % bt
-            slices.append(SeqSlice(q_start=len(input_ids), q_len=it.num_new, ctx_len=end,
-                                   ctx_rows=ctx_rows))
-            slot_rows.append(ctx_rows[start:end])
-            input_ids.extend(s.token_ids[start:end])
-            positions.extend(range(start, end))
-        ctx = PagedContext(pool_rows=self.kv.pool_rows, block_tokens=bt,
-                           slot_rows=torch.cat(slot_rows), seqs=slices, on_layer=on_layer)
-        last_rows = torch.tensor([sl.q_start + sl.q_len - 1 for sl in slices], dtype=torch.long)
+        plan, input_ids, positions, last_rows = self._plan(items, on_layer)
         out = self.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long),
             position_ids=torch.tensor([positions], dtype=torch.long),
             use_cache=False,
-            logits_to_keep=last_rows,
-            paged_ctx=ctx,
+            logits_to_keep=torch.tensor(last_rows, dtype=torch.long),
+            paged_ctx=plan,
         )
         return out.logits[0].float()
+
+    def _plan(self, items: Seq[StepItem], on_layer: Callable[[int], None] | None,
+              ) -> tuple[AttentionPlan, list[int], list[int], list[int]]:
+        """Pack the batch (decoding sequences first, then prompt chunks) and index its KV."""
+        bt = self.layout.block_tokens
+        layers2 = self.layout.num_layers * 2  # block-rows per block in `pool_blocks`
+        block_rows = layers2 * bt  # token-rows per block in `pool_rows`
+        for it in items:
+            end = it.seq.num_computed + it.num_new
+            if len(it.seq.block_ids) * bt < end:
+                raise RuntimeError(
+                    f"{it.seq.request_id}: blocks cover {len(it.seq.block_ids) * bt} < {end}")
+        decodes = [i for i, it in enumerate(items) if it.num_new == 1 and it.seq.num_computed > 0]
+        prompts = [i for i, it in enumerate(items) if not (it.num_new == 1
+                                                          and it.seq.num_computed > 0)]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []  # decode rows: pool row of the new token
+        last_rows = [0] * len(items)
+        decode: DecodeBatch | None = None
+        if decodes:
+            tables: list[list[int]] = []
+            lens: list[int] = []
+            for row, i in enumerate(decodes):
+                s = items[i].seq
+                pos = s.num_computed
+                input_ids.append(s.token_ids[pos])
+                positions.append(pos)
+                slots.append(s.block_ids[pos // bt] * block_rows + pos % bt)
+                tables.append(s.block_ids[:pos // bt + 1])
+                lens.append(pos + 1)
+                last_rows[i] = row
+            width = max(len(t) for t in tables)
+            padded = [t + [t[0]] * (width - len(t)) for t in tables]
+            blocks = torch.tensor(padded, dtype=torch.long).view(-1) * layers2
+            mask = None
+            if any(n != width * bt for n in lens):
+                mask = (torch.arange(width * bt)[None, :]
+                        < torch.tensor(lens)[:, None]).view(len(lens), 1, 1, width * bt)
+            decode = DecodeBatch(q_start=0, size=len(decodes), ctx_blocks=blocks,
+                                 max_blocks=width, mask=mask)
+        slot_parts = [torch.tensor(slots, dtype=torch.long)] if slots else []
+        prompt_slices: list[PromptSlice] = []
+        for i in prompts:
+            s, n = items[i].seq, items[i].num_new
+            start, end = s.num_computed, s.num_computed + n
+            table = torch.tensor(s.block_ids[:-(-end // bt)], dtype=torch.long)
+            pos = torch.arange(start, end)
+            slot_parts.append(table[pos // bt] * block_rows + pos % bt)
+            q_start = len(input_ids)
+            if start == 0:
+                prompt_slices.append(PromptSlice(q_start, n, end))
+            else:
+                prompt_slices.append(PromptSlice(
+                    q_start, n, end, ctx_blocks=table * layers2,
+                    mask=causal_mask(n, end, len(table) * bt)))
+            input_ids.extend(s.token_ids[start:end])
+            positions.extend(range(start, end))
+            last_rows[i] = len(input_ids) - 1
+        plan = AttentionPlan(pool_rows=self.kv.pool_rows, pool_blocks=self.kv.pool_blocks,
+                             block_tokens=bt, slot_rows=torch.cat(slot_parts), decode=decode,
+                             prompts=prompt_slices, on_layer=on_layer)
+        return plan, input_ids, positions, last_rows
