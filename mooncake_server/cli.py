@@ -24,13 +24,26 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--instance-id", "instance_id", str, "id in the conductor's registry"),
     ("--model", "model", str, "HF model path or id (default: bundled SmolLM2-135M-Instruct)"),
     ("--served-model-name", "served_model_name", str, "name clients pass as `model`"),
-    ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16"),
+    ("--dtype", "dtype", str,
+     "auto (default: bfloat16 where the CPU has AMX/AVX512-BF16, else float32) | float32 | "
+     "bfloat16 | float16; float32 is the exact mode"),
+    ("--quantization", "quantization", str,
+     "auto (default: int8 on CPUs without bf16 hardware) | none | int8 (weight-only int8 "
+     "linears)"),
     ("--block-tokens", "block_tokens", int, "tokens per KV block (default 16)"),
     ("--max-model-len", "max_model_len", int, "context window (default: the model's)"),
     ("--kv-memory", "kv_memory_bytes", str, "KV cache size of an engine role, e.g. 1GiB"),
     ("--max-batch-size", "max_batch_size", int, "most sequences per decode step (default 32)"),
     ("--prefill-chunk", "prefill_chunk_tokens", int, "prompt tokens per forward pass"),
-    ("--torch-threads", "torch_threads", int, "torch intra-op threads"),
+    ("--decode-chunk", "decode_chunk_tokens", int,
+     "colocated: prompt tokens per forward pass while sequences decode in it (default 256)"),
+    ("--torch-threads", "torch_threads", int,
+     "torch intra-op threads, fixed (default: taken from the shared core budget per step)"),
+    ("--cpu-budget", "cpu_budget", int,
+     "cores the engine processes of one machine share, lent to whichever has work "
+     "(default: all cores)"),
+    ("--cpu-share", "cpu_share_path", str,
+     "file the engine processes of one machine share --cpu-budget through (--role all sets it)"),
     ("--kv-write", "kv_write", str,
      "prefill: `layer` (default) streams each layer's KV to the store as soon as it is "
      "computed; `after` writes whole blocks once the forward pass is done"),

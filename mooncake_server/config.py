@@ -12,6 +12,7 @@ from typing import Any
 ROLES = ("conductor", "prefill", "decode", "store", "all", "colocated")
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8")
 POLICIES = ("random", "load", "cache-local", "cache-global")
 KV_WRITES = ("layer", "after")
 
@@ -46,7 +47,8 @@ class ServerConfig:
     # Model
     model: str | None = None  # HF path or id; None = bundled SmolLM2-135M-Instruct
     served_model_name: str | None = None
-    dtype: str = "auto"
+    dtype: str = "auto"  # auto = bfloat16 where the CPU has bf16 matmul hardware, else float32
+    quantization: str = "auto"  # auto | none | int8 (weight-only int8 linears)
     block_tokens: int = 16
     max_model_len: int | None = None  # None = the model's max_position_embeddings
 
@@ -54,7 +56,14 @@ class ServerConfig:
     kv_memory_bytes: int = 1 << 30
     max_batch_size: int = 32
     prefill_chunk_tokens: int = 2048
-    torch_threads: int | None = None
+    # Colocated: prompt tokens a forward pass may carry while sequences are decoding in it, so a
+    # token gap stays near one decode step while long prompts arrive.
+    decode_chunk_tokens: int = 256
+    torch_threads: int | None = None  # None = the shared core budget decides, step by step
+    # Cores the engine processes of this machine share (`--role all`); None = all of them.
+    cpu_budget: int | None = None
+    # The board the engine processes of one machine share the budget on (`--role all` sets it).
+    cpu_share_path: str | None = None
     kv_write: str = "layer"  # prefill: stream each layer's KV to the store | write after forward
 
     # Store
@@ -113,6 +122,15 @@ class ServerConfig:
             raise ValueError(f"--block-tokens: must be in 1..4096, got {self.block_tokens}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization: must be one of {', '.join(QUANTIZATIONS)}, got "
+                             f"{self.quantization!r}")
+        if self.decode_chunk_tokens < 1:
+            raise ValueError("--decode-chunk: must be at least 1")
+        for flag, value in (("--torch-threads", self.torch_threads),
+                            ("--cpu-budget", self.cpu_budget)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag}: must be at least 1, got {value}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--transport: must be one of {', '.join(TRANSPORTS)}")
         if self.kv_memory_bytes <= 0:

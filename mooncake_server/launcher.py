@@ -100,7 +100,9 @@ def start_cluster(role: str, extra: list[str] | None = None) -> Cluster:
     """Start `mooncake-server --role ROLE` on free ports and wait until /health answers 200."""
     port = free_port_block(5)
     argv = [sys.executable, "-m", "mooncake_server", "--role", role, "--port", str(port),
-            "--kv-memory", "512MiB", "--memory", "1GiB", *(extra or [])]
+            "--kv-memory", "512MiB", "--memory", "1GiB",
+            # float32 is the exact mode tests compare with HF; `extra` may override it
+            "--dtype", "float32", *(extra or [])]
     secret = secrets.token_hex(16)
     env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": secret}
     proc = subprocess.Popen(argv, start_new_session=True, env=env)

@@ -155,7 +155,7 @@ class RoleCluster:
         port = port or free_port_block(1)
         reach = advertise or host
         argv = [sys.executable, "-m", "mooncake_server", "--role", role, "--host", host,
-                "--port", str(port), *self.common, *extra]
+                "--port", str(port), "--dtype", "float32", *self.common, *extra]
         if advertise:
             argv += ["--advertise-host", advertise]
         if role == "conductor":

@@ -10,7 +10,15 @@ import torch
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
-from mooncake_server.engine.model_runner import ModelRunner, load_model, resolve_dtype
+from mooncake_server.engine.core_budget import core_budget_for
+from mooncake_server.engine.cpu import cpu_features
+from mooncake_server.engine.model_runner import (
+    ModelRunner,
+    load_model,
+    resolve_dtype,
+    resolve_dtype_name,
+    resolve_quantization,
+)
 from mooncake_server.model_assets import resolve_model, served_name
 
 log = logging.getLogger(__name__)
@@ -34,11 +42,18 @@ def max_model_len_of(model_config: object, override: int | None) -> int:
 
 def build_runner(config: ServerConfig, make_buffer: BufferFactory) -> tuple[ModelRunner, ModelInfo]:
     """Load the model and a KV pool of `config.kv_memory_bytes` from `make_buffer(nbytes)`."""
+    cores = core_budget_for(config.cpu_share_path, config.cpu_budget, config.torch_threads)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     path = resolve_model(config.model)
-    dtype = resolve_dtype(config.dtype, path)
-    model = load_model(path, dtype)
+    cpu = cpu_features()
+    dtype_name = resolve_dtype_name(config.dtype)
+    quantization = resolve_quantization(config.quantization, dtype_name)
+    log.info("CPU %s: dtype %s%s, quantization %s%s", cpu.describe(), dtype_name,
+             " (auto)" if config.dtype == "auto" else "", quantization,
+             " (auto)" if config.quantization == "auto" else "")
+    dtype = resolve_dtype(dtype_name)
+    model = load_model(path, dtype, quantization)
     layout = KVLayout.from_model_config(model.config, config.block_tokens, dtype)
     num_blocks = config.kv_memory_bytes // layout.block_bytes
     if num_blocks < 1:
@@ -49,4 +64,4 @@ def build_runner(config: ServerConfig, make_buffer: BufferFactory) -> tuple[Mode
                      max_model_len_of(model.config, config.max_model_len))
     log.info("model %s dtype=%s kv_blocks=%d block_bytes=%d", info.name, dtype, kv.num_blocks,
              layout.block_bytes)
-    return ModelRunner(model, kv), info
+    return ModelRunner(model, kv, cores), info

@@ -48,13 +48,18 @@ class EngineLoop:
     """Owns the running batch of a decode (or colocated) engine."""
 
     def __init__(self, runner: ModelRunner, executor: ThreadPoolExecutor, metrics: EngineMetrics,
-                 max_batch_size: int, prefill_chunk_tokens: int) -> None:
+                 max_batch_size: int, prefill_chunk_tokens: int,
+                 decode_chunk_tokens: int | None = None) -> None:
         self.runner = runner
         self.kv = runner.kv
         self.executor = executor
         self.metrics = metrics
         self.max_batch_size = max_batch_size
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # While sequences decode in a step, its prompt chunk is capped here: the step is their
+        # token gap (Sarathi-style chunked prefill).
+        self.decode_chunk_tokens = min(decode_chunk_tokens or prefill_chunk_tokens,
+                                       prefill_chunk_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._inflight: set[str] = set()
@@ -102,12 +107,15 @@ class EngineLoop:
     # -- the loop --------------------------------------------------------------------------------
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        cores = self.runner.cores
         while True:
             items = self._schedule()
             if not items:
+                cores.set_active(False)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            cores.set_active(True)
             ids = {it.seq.request_id for it in items}
             self._inflight |= ids
             try:
@@ -148,7 +156,8 @@ class EngineLoop:
     def _schedule(self) -> list[StepItem]:
         self._admit()
         items: list[StepItem] = []
-        budget = self.prefill_chunk_tokens
+        decoding = any(seq.num_pending == 1 for seq in self.running)
+        budget = self.decode_chunk_tokens if decoding else self.prefill_chunk_tokens
         bt = self.kv.layout.block_tokens
         for seq in list(self.running):
             n = seq.num_pending

@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from mooncake_server.engine.attention import (
     AttentionPlan,
@@ -17,7 +17,10 @@ from mooncake_server.engine.attention import (
     causal_mask,
     register_paged_attention,
 )
+from mooncake_server.engine.cpu import auto_dtype, auto_quantization, cpu_features
+from mooncake_server.engine.core_budget import CoreBudget, FixedThreads
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
+from mooncake_server.engine.linears import prepare_linears
 from mooncake_server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -25,22 +28,28 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, model_path: str) -> torch.dtype:
-    """Map --dtype to a torch dtype; 'auto' takes the checkpoint's dtype (float32 if unset)."""
-    if name != "auto":
-        return _DTYPES[name]
-    cfg = AutoConfig.from_pretrained(model_path)
-    dt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
-    if isinstance(dt, str):
-        return _DTYPES.get(dt, torch.float32)
-    return dt if isinstance(dt, torch.dtype) else torch.float32
+def resolve_dtype(name: str) -> torch.dtype:
+    """Map --dtype to a torch dtype; 'auto' is bfloat16 where the CPU has bf16 hardware."""
+    return _DTYPES[resolve_dtype_name(name)]
 
 
-def load_model(model_path: str, dtype: torch.dtype) -> torch.nn.Module:
-    """Load HF weights with our paged attention plugged in; inference mode, eval."""
+def resolve_dtype_name(name: str) -> str:
+    """--dtype as a concrete name ('auto' decided from this machine's CPU flags)."""
+    return auto_dtype(cpu_features()) if name == "auto" else name
+
+
+def resolve_quantization(name: str, dtype: str) -> str:
+    """--quantization as a concrete name ('auto': int8 where fp32 runs on a CPU without bf16)."""
+    return auto_quantization(cpu_features(), dtype) if name == "auto" else name
+
+
+def load_model(model_path: str, dtype: torch.dtype, quantization: str = "none") -> torch.nn.Module:
+    """Load HF weights with our paged attention and the CPU's fast linears; inference mode, eval."""
     impl = register_paged_attention()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=impl)
     model.eval()
+    done = prepare_linears(model, dtype, quantization)
+    log.info("linears: %s", done)
     return model
 
 
@@ -55,10 +64,12 @@ class StepItem:
 class ModelRunner:
     """Owns the model and the KV pool; `step` is blocking and must run off the event loop."""
 
-    def __init__(self, model: torch.nn.Module, kv: PagedKVCache) -> None:
+    def __init__(self, model: torch.nn.Module, kv: PagedKVCache,
+                 cores: CoreBudget | FixedThreads | None = None) -> None:
         self.model = model
         self.kv = kv
         self.layout: KVLayout = kv.layout
+        self.cores = cores or FixedThreads(None)
 
     @torch.inference_mode()
     def step(self, items: Seq[StepItem],
@@ -68,6 +79,7 @@ class ModelRunner:
         Every item's `seq.block_ids` must already cover `num_computed + num_new` tokens.
         `on_layer(l)` is called as soon as layer l's new K/V are written to the pool.
         """
+        self.cores.enter_step()
         plan, input_ids, positions, last_rows = self._plan(items, on_layer)
         out = self.model(
             input_ids=torch.tensor([input_ids], dtype=torch.long),

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 import urllib.request
@@ -34,7 +35,7 @@ def child_argv(config: ServerConfig, role: str, model: str) -> list[str]:
     port = config.port + CHILD_PORT_OFFSETS[role]
     argv = [sys.executable, "-m", "mooncake_server", "--role", role,
             "--host", config.host if role == "conductor" else "127.0.0.1", "--port", str(port),
-            "--model", model, "--dtype", config.dtype,
+            "--model", model, "--dtype", config.dtype, "--quantization", config.quantization,
             "--block-tokens", str(config.block_tokens),
             "--transport", config.transport, "--log-level", config.log_level,
             "--heartbeat-interval", str(config.heartbeat_interval_s),
@@ -49,9 +50,14 @@ def child_argv(config: ServerConfig, role: str, model: str) -> list[str]:
     if role in ("prefill", "decode"):
         argv += ["--kv-memory", str(config.kv_memory_bytes),
                  "--max-batch-size", str(config.max_batch_size),
-                 "--prefill-chunk", str(config.prefill_chunk_tokens)]
+                 "--prefill-chunk", str(config.prefill_chunk_tokens),
+                 "--decode-chunk", str(config.decode_chunk_tokens)]
         if config.torch_threads:
             argv += ["--torch-threads", str(config.torch_threads)]
+        if config.cpu_budget:
+            argv += ["--cpu-budget", str(config.cpu_budget)]
+        if config.cpu_share_path:
+            argv += ["--cpu-share", config.cpu_share_path]
     if role == "prefill":
         argv += ["--kv-write", config.kv_write]
     if role == "conductor":
@@ -206,8 +212,22 @@ def run_all(config: ServerConfig) -> None:
     # Convert the bundled model once here, so the children do not race to do it.
     model = resolve_model(config.model)
     secret = config.cluster_secret or ServerConfig.new_secret()
+    share = None
+    if not config.torch_threads and not config.cpu_share_path:
+        # The prefill and decode processes share these cores through this board (see
+        # engine/core_budget.py); it lives as long as the supervisor.
+        share = tempfile.NamedTemporaryFile(prefix="mooncake-cores-", dir=_shm_dir())
+        config = config.replace(cpu_share_path=share.name)
     children = [Child(role, child_argv(config, role, model),
                       child_env(config, role, secret, dict(os.environ)))
                 for role in ("conductor", "store", "prefill", "decode")]
     health = f"http://{config.public_host}:{config.port}/health"
-    sys.exit(Supervisor(children, health).run())
+    code = Supervisor(children, health).run()
+    if share is not None:
+        share.close()
+    sys.exit(code)
+
+
+def _shm_dir() -> str | None:
+    """/dev/shm where it exists (the board is touched every step), else the temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None

@@ -42,7 +42,7 @@ def build_app(config: ServerConfig) -> FastAPI:
                                 lambda nbytes: bytearray(nbytes))
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocated-forward")
     loop = EngineLoop(runner, executor, engine_metrics, config.max_batch_size,
-                      config.prefill_chunk_tokens)
+                      config.prefill_chunk_tokens, config.decode_chunk_tokens)
     backend = LocalEngineBackend(loop, info.max_model_len)
 
     @asynccontextmanager
@@ -54,6 +54,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         finally:
             await loop.stop()
             await asyncio.to_thread(executor.shutdown, True)
+            runner.cores.close()
 
     app = FastAPI(title="mooncake-server colocated", lifespan=lifespan)
     install_api(app, backend, tokenizer, served_name(config.model, config.served_model_name),

@@ -205,7 +205,8 @@ def build_app(config: ServerConfig) -> FastAPI:
                            config.conductor_url or "")
         writeback = BlockWriteBack(runner.kv, link, writeback_metrics)
         loop = WriteBackLoop(runner, executor, engine_metrics, config.max_batch_size,
-                             config.prefill_chunk_tokens, writeback=writeback)
+                             config.prefill_chunk_tokens, config.decode_chunk_tokens,
+                             writeback=writeback)
         loop.start()
         state["service"] = service = DecodeService(loop, link, info.max_model_len, failures,
                                                    verified, recomputed)
@@ -231,6 +232,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             await link.aclose()
             await http.aclose()
             executor.shutdown(wait=True)
+            runner.cores.close()
             engine.close()
 
     app = FastAPI(title="mooncake-server decode", lifespan=lifespan)

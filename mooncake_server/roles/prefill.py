@@ -89,6 +89,7 @@ class PrefillWorker:
     async def run(self, job: PrefillJob) -> PrefillResult:
         """Prefill one job (serialised with the others)."""
         self.queued += 1
+        self.runner.cores.set_active(True)
         try:
             async with self._lock:
                 try:
@@ -101,6 +102,8 @@ class PrefillWorker:
                         await self.reporter.flush()
         finally:
             self.queued -= 1
+            if not self.queued:
+                self.runner.cores.set_active(False)
 
     async def _run(self, job: PrefillJob) -> PrefillResult:
         started = time.perf_counter()
@@ -160,7 +163,7 @@ class PrefillWorker:
         logits: torch.Tensor | None = None
         try:
             while seq.num_pending > 0:
-                chunk = min(seq.num_pending, self.config.prefill_chunk_tokens)
+                chunk = min(seq.num_pending, self._chunk_tokens())
                 end = seq.num_computed + chunk
                 if stream is not None:
                     stream.plan_chunk(end, final=end >= n)
@@ -178,6 +181,16 @@ class PrefillWorker:
         if logits is None:
             raise RuntimeError(f"{seq.request_id}: nothing to compute")  # NOTE: a bug here
         return sample_token(logits[0], seq.sampling, seq.generator)
+
+    def _chunk_tokens(self) -> int:
+        """--prefill-chunk, or --decode-chunk while another engine on these cores has work.
+
+        A chunk's thread team is sized when it starts; short chunks let this prefill hand
+        cores back soon after a decode beside it wakes (no long oversubscribed stretch).
+        """
+        if self.runner.cores.others_active():
+            return min(self.config.prefill_chunk_tokens, self.config.decode_chunk_tokens)
+        return self.config.prefill_chunk_tokens
 
     async def _finish_writes(self, seq: Sequence, keys: list[str], idx: list[int],
                              checksums: list[int]) -> None:
@@ -266,6 +279,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             await link.aclose()
             await http.aclose()
             executor.shutdown(wait=True)
+            runner.cores.close()
             engine.close()
 
     app = FastAPI(title="mooncake-server prefill", lifespan=lifespan)

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from mooncake_server.config import ServerConfig
+from mooncake_server.engine.cpu import auto_dtype, cpu_features
 from mooncake_server.registry import InstanceRegistry
 from mooncake_server.scheduler.backend import ScheduledBackend
 from mooncake_server.scheduler.local_index import LocalCacheIndex
@@ -41,9 +42,7 @@ def kv_bytes_per_token(hf_config: Any, dtype: str) -> int | None:
     except (AttributeError, TypeError, ValueError):
         return None
     if dtype == "auto":
-        # NOTE: the engine takes the checkpoint's dtype, float32 when the config names none.
-        dtype = str(getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-                    or "float32").removeprefix("torch.")
+        dtype = auto_dtype(cpu_features())  # as the engines on this machine decide it
     return layers * 2 * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
 
 

@@ -35,7 +35,7 @@ def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
 
 def role_config(role: str, port: int, model: str, **extra: Any) -> ServerConfig:
     return ServerConfig(role=role, port=port, model=model, served_model_name="tiny",
-                        cluster_secret=SECRET, api_key=API_KEY, max_tokens_limit=MAX_TOKENS,
+                        cluster_secret=SECRET, api_key=API_KEY, dtype="float32", max_tokens_limit=MAX_TOKENS,
                         kv_memory_bytes=8 << 20, store_memory_bytes=64 << 20, max_batch_size=8,
                         prefill_chunk_tokens=64, heartbeat_interval_s=0.2, transport="tcp",
                         transfer_timeout_s=5.0, **extra)

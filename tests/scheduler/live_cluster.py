@@ -47,7 +47,7 @@ class Cluster:
 def _config(role: str, port: int, model: str, **extra: Any) -> ServerConfig:
     settings: dict[str, Any] = {
         "role": role, "port": port, "model": model, "served_model_name": "tiny",
-        "cluster_secret": SECRET, "block_tokens": BLOCK, "kv_memory_bytes": 1 << 20,
+        "cluster_secret": SECRET, "dtype": "float32", "block_tokens": BLOCK, "kv_memory_bytes": 1 << 20,
         "store_memory_bytes": 16 << 20, "prefill_chunk_tokens": 8, "heartbeat_interval_s": 0.2,
         "transport": "tcp", "transfer_timeout_s": 5.0}
     return ServerConfig(**{**settings, **extra})

@@ -48,7 +48,7 @@ def store_location(c: Cluster) -> StoreLocation:
 def prefill(c: Cluster, which: int, ids: list[int], reuse: str, rid: str) -> PrefillResult:
     """One prefill job sent straight to prefill-`which`."""
     job = PrefillJob(request_id=rid, prompt_token_ids=ids,
-                     block_keys=block_keys(ids, BLOCK, kv_namespace("tiny", "auto", BLOCK)),
+                     block_keys=block_keys(ids, BLOCK, kv_namespace("tiny", "float32", BLOCK)),
                      sampling=SamplingParams(max_tokens=1, temperature=0.0),
                      store=store_location(c), reuse=reuse)
     r = httpx.post(c.prefill[which] + "/internal/prefill", content=job.model_dump_json(),

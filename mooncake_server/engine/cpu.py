@@ -1,0 +1,74 @@
+"""What the CPU at hand computes fast: read once from /proc/cpuinfo, never assumed.
+
+Machines differ: Intel parts with AMX-BF16 run bf16 GEMMs several times faster than fp32, while
+AVX2-only parts run torch's bf16 GEMM ~100x slower than fp32. `--dtype auto` and
+`--quantization auto` are decided here, from the flags, so every process on one machine decides
+the same (their KV bytes must agree).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 matmul in hardware
+INT8_FLAGS = ("avx512_vnni", "avx_vnni", "avx2")  # fbgemm's int8 kernels
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """The instruction-set flags that decide the fast dtype."""
+
+    model: str
+    flags: frozenset[str]
+
+    @property
+    def bf16(self) -> bool:
+        """bf16 matmuls run in hardware (AMX or AVX512-BF16)."""
+        return any(f in self.flags for f in BF16_FLAGS)
+
+    @property
+    def int8(self) -> bool:
+        """int8 matmul kernels (fbgemm) have the vector units they need."""
+        return any(f in self.flags for f in INT8_FLAGS)
+
+    def describe(self) -> str:
+        """A log line: model name and the flags that matter here."""
+        shown = [f for f in (*BF16_FLAGS, *INT8_FLAGS) if f in self.flags]
+        return f"{self.model or 'unknown CPU'} [{' '.join(shown) or 'no bf16/int8 flags'}]"
+
+
+def parse_cpuinfo(text: str) -> CpuFeatures:
+    """Features from the text of /proc/cpuinfo (the first processor's entry)."""
+    model, flags = "", frozenset[str]()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return CpuFeatures(model, flags)
+
+
+@lru_cache(maxsize=1)
+def cpu_features() -> CpuFeatures:
+    """This machine's features (no flags where /proc/cpuinfo is unreadable: the safe choice)."""
+    try:
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return CpuFeatures("", frozenset())
+
+
+def auto_dtype(cpu: CpuFeatures) -> str:
+    """bfloat16 where the CPU multiplies it in hardware, else float32."""
+    return "bfloat16" if cpu.bf16 else "float32"
+
+
+def auto_quantization(cpu: CpuFeatures, dtype: str) -> str:
+    """int8 weights where activations stay float32 and int8 kernels exist (AVX2-only parts)."""
+    return "int8" if dtype == "float32" and cpu.int8 and not cpu.bf16 else "none"

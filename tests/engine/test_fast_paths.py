@@ -1,0 +1,130 @@
+"""The fast paths give HF's answers: batched decode attention, bf16 packed and int8 linears."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
+from mooncake_server.engine.linears import bf16_packing_supported, prepare_linears
+from mooncake_server.engine.model_runner import ModelRunner, StepItem
+from mooncake_server.engine.sequence import Sequence
+from mooncake_server.messages import SamplingParams
+
+from test_engine_loop import collect, hf_greedy, make_backend
+
+GREEDY = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+
+
+def _seq(kv: PagedKVCache, rid: str, tokens: list[int]) -> Sequence:
+    seq = Sequence(rid, list(tokens), len(tokens), GREEDY, 512)
+    seq.block_ids = kv.allocate(kv.layout.blocks_for(len(tokens) + 1))
+    return seq
+
+
+def test_one_mixed_step_equals_each_sequence_alone(tiny_model_pair) -> None:
+    """Decodes of unequal contexts (padding masked), a cached-context chunk and a fresh prompt."""
+    _, paged = tiny_model_pair
+    layout = KVLayout.from_model_config(paged.config, 4, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 250, (n,), generator=g).tolist() for n in (5, 13, 30, 22, 9)]
+
+    def run(batched: bool) -> list[torch.Tensor]:
+        kv = PagedKVCache(layout, num_blocks=64)
+        runner = ModelRunner(paged, kv)
+        seqs = [_seq(kv, f"r{i}", p) for i, p in enumerate(prompts)]
+        # Context for the first four: three decode next, the fourth continues its prompt.
+        for s, done in zip(seqs[:4], (4, 12, 29, 10)):
+            runner.step([StepItem(s, done)])
+            s.num_computed = done
+        items = [StepItem(seqs[0], 1), StepItem(seqs[3], 12), StepItem(seqs[1], 1),
+                 StepItem(seqs[4], 9), StepItem(seqs[2], 1)]
+        if batched:
+            return list(runner.step(items))
+        return [runner.step([it])[0] for it in items]
+
+    for together, alone in zip(run(True), run(False)):
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_colocated_prompt_chunks_are_capped_while_sequences_decode(tiny_model_pair) -> None:
+    """A long prompt arriving mid-decode joins steps at most --decode-chunk tokens at a time."""
+    _, paged = tiny_model_pair
+    backend, loop, _ = make_backend(paged, num_blocks=200, chunk=64)
+    loop.decode_chunk_tokens = 8
+    sizes: list[list[int]] = []
+    step = loop.runner.step
+
+    def spy(items, on_layer=None):  # noqa: ANN001, ANN202
+        sizes.append([it.num_new for it in items])
+        return step(items, on_layer)
+
+    loop.runner.step = spy  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(4)
+    short, long = (torch.randint(2, 250, (n,), generator=g).tolist() for n in (5, 60))
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        loop.start()
+        try:
+            first = asyncio.create_task(collect(backend, "short", short, 20))
+            while not any(s == [1] for s in sizes):
+                await asyncio.sleep(0)  # the short one is decoding
+            return await asyncio.gather(first, collect(backend, "long", long, 3))
+        finally:
+            await loop.stop()
+
+    out_short, out_long = asyncio.run(scenario())
+    mixed = [s for s in sizes if 1 in s and max(s) > 1]
+    assert mixed and all(max(s) <= 8 for s in mixed)  # never a 60-token step beside a decode
+    assert out_short == hf_greedy(tiny_model_pair[0], short, 20)
+    assert out_long == hf_greedy(tiny_model_pair[0], long, 3)
+
+
+def _greedy_with_linears(tiny_model_pair, dtype: torch.dtype, quantization: str) -> None:
+    ref, paged = (copy.deepcopy(m).to(dtype) for m in tiny_model_pair)
+    # HF runs the same linears: the reference differs from ours only in attention and batching.
+    prepare_linears(ref, dtype, quantization)
+    prepare_linears(paged, dtype, quantization)
+    layout = KVLayout.from_model_config(paged.config, 4, dtype)
+    kv = PagedKVCache(layout, num_blocks=200)
+    runner = ModelRunner(paged, kv)
+    g = torch.Generator().manual_seed(5)
+    for n in (3, 18, 41):
+        prompt = torch.randint(2, 250, (n,), generator=g).tolist()
+        seq = _seq(kv, "r", prompt)
+        seq.block_ids += kv.allocate(kv.layout.blocks_for(n + 12) - len(seq.block_ids))
+        out: list[int] = []
+        logits = runner.step([StepItem(seq, n)])
+        for _ in range(12):
+            seq.num_computed = len(seq.token_ids)
+            seq.token_ids.append(int(logits[0].argmax()))
+            out.append(seq.token_ids[-1])
+            logits = runner.step([StepItem(seq, 1)])
+        kv.free(seq.block_ids)
+        assert out == hf_greedy(ref, prompt, 12)
+
+
+@pytest.mark.skipif(not bf16_packing_supported(), reason="this CPU/torch has no oneDNN bf16")
+def test_bf16_packed_linears_greedy_equals_hf_in_bf16(tiny_model_pair) -> None:
+    """--dtype bfloat16 (what auto picks on AMX/AVX512-BF16) matches HF running bf16."""
+    _greedy_with_linears(tiny_model_pair, torch.bfloat16, "none")
+
+
+def test_int8_linears_greedy_equals_hf_with_the_same_quantization(tiny_model_pair) -> None:
+    """--quantization int8 (what auto picks on AVX2-only CPUs) matches HF quantized alike."""
+    _greedy_with_linears(tiny_model_pair, torch.float32, "int8")
+
+
+def test_packed_bf16_linear_is_bit_identical_to_plain_bf16(tiny_model_pair) -> None:
+    """Prepacking changes the weight's layout, never a result."""
+    if not bf16_packing_supported():
+        pytest.skip("this CPU/torch has no oneDNN bf16")
+    lin = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    expected = lin(x)
+    holder = torch.nn.Sequential(lin)
+    prepare_linears(holder, torch.bfloat16, "none")
+    assert torch.equal(holder(x), expected)
