@@ -271,6 +271,7 @@ class Launched:
     url: str
     prefill_urls: list[str]
     secret: str
+    pids: list[int] = field(default_factory=list)  # the processes started, to reap their trees
 
 
 _SPEC = re.compile(r"^(\d+)p(\d+)d(?::([a-z-]+))?$")
@@ -311,8 +312,10 @@ def launch(spec: str, server_args: list[str], conductor_args: list[str],
     common = ["--kv-memory", "512MiB", *server_args]
     m = _SPEC.match(spec)
     engines = int(m.group(1)) + int(m.group(2)) if m else 2 if spec == "all" else 1
-    if not any(a.startswith("--torch-threads") for a in server_args):
-        # Same machine, same cores: each engine process gets its share of them.
+    if spec not in ("colocated", "all") and not any(a.startswith("--torch-threads")
+                                                    for a in server_args):
+        # Roles started one by one share no core budget board (`all` makes one, colocated is
+        # alone): each engine process gets a fixed share of the cores.
         common += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // engines))]
     if spec in ("colocated", "all"):
         port = free_port_block(6)
@@ -351,7 +354,7 @@ def launch(spec: str, server_args: list[str], conductor_args: list[str],
                                               stderr=subprocess.STDOUT, start_new_session=True))
             url = f"http://127.0.0.1:{port}"
             _wait_healthy(url, procs, want)
-            yield Launched(spec, url, prefill_urls, secret)
+            yield Launched(spec, url, prefill_urls, secret, [p.pid for p in procs])
         finally:
             for p in reversed(procs):
                 if p.poll() is None:

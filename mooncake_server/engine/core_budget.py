@@ -117,7 +117,7 @@ class FixedThreads:
     """`--torch-threads N`, or a process alone on its cores: the same team every step."""
 
     def __init__(self, threads: int | None) -> None:
-        self.threads = threads
+        self.threads = threads or machine_cores()
 
     def set_active(self, active: bool) -> None:
         """Nothing to announce."""
@@ -128,14 +128,22 @@ class FixedThreads:
 
     def enter_step(self) -> int:
         """Set the fixed team on the forward thread (once per thread is enough, but cheap)."""
-        if self.threads:
-            if torch.get_num_threads() != self.threads:
-                torch.set_num_threads(self.threads)
-            return self.threads
-        return torch.get_num_threads()
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        return self.threads
 
     def close(self) -> None:
         """Nothing held."""
+
+
+def no_team_on_this_thread() -> None:
+    """Run torch ops of the calling thread (the event loop's sampling) on that thread alone.
+
+    OpenMP keeps one worker pool per thread that starts parallel work; a second pool, woken by
+    each token's argmax on the event loop, spun beside the forward thread's pool and slowed the
+    forward passes. The forward thread sets its own team in `enter_step`.
+    """
+    torch.set_num_threads(1)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -6,8 +6,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from mooncake_server.config import ServerConfig
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.core_budget import core_budget_for
@@ -43,8 +41,6 @@ def max_model_len_of(model_config: object, override: int | None) -> int:
 def build_runner(config: ServerConfig, make_buffer: BufferFactory) -> tuple[ModelRunner, ModelInfo]:
     """Load the model and a KV pool of `config.kv_memory_bytes` from `make_buffer(nbytes)`."""
     cores = core_budget_for(config.cpu_share_path, config.cpu_budget, config.torch_threads)
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
     path = resolve_model(config.model)
     cpu = cpu_features()
     dtype_name = resolve_dtype_name(config.dtype)

@@ -21,6 +21,7 @@ from mooncake_server.api.limits import RequestLimits
 from mooncake_server.api.openai_app import install_api
 from mooncake_server.api.prompts import load_eos_token_ids
 from mooncake_server.config import ServerConfig
+from mooncake_server.engine.core_budget import no_team_on_this_thread
 from mooncake_server.engine.factory import build_runner
 from mooncake_server.engine.local_backend import LocalEngineBackend
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
@@ -47,6 +48,7 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        no_team_on_this_thread()  # the event loop samples; the forward thread computes
         loop.start()
         log.info("colocated engine ready: %s", info.name)
         try:

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.drain import wait_until_idle
+from mooncake_server.engine.core_budget import no_team_on_this_thread
 from mooncake_server.engine.factory import build_runner
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.kv_io import KVStoreLink
@@ -196,6 +197,7 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        no_team_on_this_thread()  # the event loop samples; the forward thread computes
         engine = make_transfer_engine(config, serve=False)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-forward")
         runner, info = await asyncio.to_thread(
