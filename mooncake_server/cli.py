@@ -45,8 +45,10 @@ _FLAGS: list[tuple[str, str, Any, str]] = [
     ("--cpu-share", "cpu_share_path", str,
      "file the engine processes of one machine share --cpu-budget through (--role all sets it)"),
     ("--kv-write", "kv_write", str,
-     "prefill: `layer` (default) streams each layer's KV to the store as soon as it is "
-     "computed; `after` writes whole blocks once the forward pass is done"),
+     "prefill: `layer` streams each layer's KV to the store as soon as it is computed; "
+     "`after` writes whole blocks once the forward pass is done; `auto` (default) streams "
+     "layers only where the copies do not take the forward's cores (RDMA, or --torch-threads "
+     "below the core count)"),
     ("--memory", "store_memory_bytes", str, "store DRAM pool size, e.g. 8GiB"),
     ("--ssd-dir", "store_ssd_dir", str, "store SSD tier directory (default: no SSD tier)"),
     ("--ssd-capacity", "store_ssd_capacity_bytes", str, "store SSD tier size, e.g. 64GiB"),

@@ -14,7 +14,7 @@ TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8")
 POLICIES = ("random", "load", "cache-local", "cache-global")
-KV_WRITES = ("layer", "after")
+KV_WRITES = ("auto", "layer", "after")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
@@ -64,7 +64,8 @@ class ServerConfig:
     cpu_budget: int | None = None
     # The board the engine processes of one machine share the budget on (`--role all` sets it).
     cpu_share_path: str | None = None
-    kv_write: str = "layer"  # prefill: stream each layer's KV to the store | write after forward
+    # prefill: stream each layer's KV to the store | write after the forward | auto (see prefill)
+    kv_write: str = "auto"
 
     # Store
     store_memory_bytes: int = 2 << 30
