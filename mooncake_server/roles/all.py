@@ -13,8 +13,8 @@ import logging
 import os
 import signal
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field

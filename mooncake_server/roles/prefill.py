@@ -6,8 +6,8 @@ A job walks, in order:
   the cached prefix read from the store -> space for the blocks the store lacks reserved on their
   store nodes (put_start) -> uncached tokens computed in chunks of --prefill-chunk, each layer's
   new K/V written to the store as soon as that layer is computed (--kv-write layer; `after` writes
-  whole blocks once the forward is done; `auto` picks) -> first token sampled -> put_end (decode may read) ->
-  full blocks kept in the local cache, the rest freed -> the cache's changes reported to the
+  whole blocks once the forward is done; `auto` picks) -> first token sampled -> put_end (decode
+  may read) -> full blocks kept in the local cache, the rest freed -> the cache's changes reported to the
   conductor -> result. Blocks the store cannot take are left for decode to recompute.
 """
 

@@ -28,3 +28,14 @@ def test_no_slo_means_no_slo_flags() -> None:
     argv = child_argv(ServerConfig(role="all"), "conductor", "m")
     assert "--ttft-slo" not in argv and "--tbt-slo" not in argv and "--profile" not in argv
     assert flag(argv, "--policy") == "cache-global"
+
+
+def test_engine_speed_flags_reach_both_engines_and_they_share_one_core_board() -> None:
+    config = ServerConfig(role="all", dtype="float32", quantization="int8", decode_chunk_tokens=64,
+                          cpu_budget=2, cpu_share_path="/dev/shm/mooncake-cores-test")
+    for role in ("prefill", "decode"):
+        argv = child_argv(config, role, "m")
+        assert flag(argv, "--dtype") == "float32" and flag(argv, "--quantization") == "int8"
+        assert flag(argv, "--decode-chunk") == "64" and flag(argv, "--cpu-budget") == "2"
+        assert flag(argv, "--cpu-share") == "/dev/shm/mooncake-cores-test"
+    assert flag(child_argv(config, "conductor", "m"), "--cpu-share") is None
