@@ -40,9 +40,8 @@ class PromptSlice:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """The decoding sequences of a pass: rows `[q_start, q_start + size)`, one token each."""
+    """The decoding sequences of a pass: its first `size` rows, one token each."""
 
-    q_start: int
     size: int
     ctx_blocks: torch.Tensor  # [size * max_blocks] long, padded with a valid block
     max_blocks: int
@@ -121,10 +120,10 @@ def paged_attention_forward(
         shape = (d.size, d.max_blocks * bt, kv_heads, head_dim)
         k = _gather(plan, d.ctx_blocks, 2 * layer_idx, shape)
         v = _gather(plan, d.ctx_blocks, 2 * layer_idx + 1, shape)
-        q = query[0, :, d.q_start:d.q_start + d.size].transpose(0, 1).unsqueeze(2)  # [B, h, 1, d]
+        q = query[0, :, :d.size].transpose(0, 1).unsqueeze(2)  # [B, h, 1, d]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scaling,
                                            enable_gqa=gqa)
-        out[0, :, d.q_start:d.q_start + d.size] = o.squeeze(2).transpose(0, 1)
+        out[0, :, :d.size] = o.squeeze(2).transpose(0, 1)
     for p in plan.prompts:
         sl = slice(p.q_start, p.q_start + p.q_len)
         q = query[:, :, sl]

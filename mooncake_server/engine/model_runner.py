@@ -101,9 +101,10 @@ class ModelRunner:
             if len(it.seq.block_ids) * bt < end:
                 raise RuntimeError(
                     f"{it.seq.request_id}: blocks cover {len(it.seq.block_ids) * bt} < {end}")
-        decodes = [i for i, it in enumerate(items) if it.num_new == 1 and it.seq.num_computed > 0]
-        prompts = [i for i, it in enumerate(items) if not (it.num_new == 1
-                                                          and it.seq.num_computed > 0)]
+        # One new token over cached context decodes; anything else is a prompt (chunk).
+        decoding = [it.num_new == 1 and it.seq.num_computed > 0 for it in items]
+        decodes = [i for i, d in enumerate(decoding) if d]
+        prompts = [i for i, d in enumerate(decoding) if not d]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []  # decode rows: pool row of the new token
@@ -128,8 +129,8 @@ class ModelRunner:
             if any(n != width * bt for n in lens):
                 mask = (torch.arange(width * bt)[None, :]
                         < torch.tensor(lens)[:, None]).view(len(lens), 1, 1, width * bt)
-            decode = DecodeBatch(q_start=0, size=len(decodes), ctx_blocks=blocks,
-                                 max_blocks=width, mask=mask)
+            decode = DecodeBatch(size=len(decodes), ctx_blocks=blocks, max_blocks=width,
+                                 mask=mask)
         slot_parts = [torch.tensor(slots, dtype=torch.long)] if slots else []
         prompt_slices: list[PromptSlice] = []
         for i in prompts:

@@ -58,7 +58,35 @@ class _Recent:
             self.changed = True
 
 
-class TailCalibration:
+class _RecentCalibration:
+    """A summary of the recent ratios, recomputed on read only when they changed."""
+
+    def __init__(self, window: int, lo: float, hi: float, horizon_s: float,
+                 clock: Callable[[], float]) -> None:
+        self._recent = _Recent(window, lo, hi, horizon_s, clock)
+        self._value = 1.0
+
+    def add(self, measured_s: float, modelled_s: float) -> None:
+        """One measured step, gap or job against what the model predicted for it."""
+        self._recent.add(measured_s, modelled_s)
+
+    @property
+    def value(self) -> float:
+        """The factor to multiply modelled times by (1.0 when nothing is recent)."""
+        recent = self._recent
+        recent.expire()
+        if recent.changed:
+            # Summarised on read, not per sample: samples arrive per token, reads per request.
+            ratios = [ratio for _, ratio in recent.samples]
+            self._value = self._summarise(ratios) if ratios else 1.0
+            recent.changed = False
+        return self._value
+
+    def _summarise(self, ratios: list[float]) -> float:
+        raise NotImplementedError
+
+
+class TailCalibration(_RecentCalibration):
     """A high quantile of recent measured / modelled ratios (1.0 when none is recent)."""
 
     def __init__(self, *, quantile: float = 0.9, window: int = 256, lo: float = 0.5,
@@ -66,29 +94,15 @@ class TailCalibration:
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not 0.0 < quantile <= 1.0:
             raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+        super().__init__(window, lo, hi, horizon_s, clock)
         self.quantile = quantile
-        self._recent = _Recent(window, lo, hi, horizon_s, clock)
-        self._value = 1.0
 
-    def add(self, measured_s: float, modelled_s: float) -> None:
-        """One measured step (or gap) against what the model predicted for it."""
-        self._recent.add(measured_s, modelled_s)
-
-    @property
-    def value(self) -> float:
-        """The factor to multiply modelled step times by."""
-        recent = self._recent
-        recent.expire()
-        if recent.changed:
-            # Sorted on read, not per sample: samples arrive per token, reads per request.
-            ordered = sorted(ratio for _, ratio in recent.samples)
-            self._value = (ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-                           if ordered else 1.0)
-            recent.changed = False
-        return self._value
+    def _summarise(self, ratios: list[float]) -> float:
+        ordered = sorted(ratios)
+        return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
 
 
-class SmoothedCalibration:
+class SmoothedCalibration(_RecentCalibration):
     """An exponential moving average of recent measured / modelled ratios, starting at 1.0."""
 
     # NOTE: the seed's weight after 64 samples is (1 - alpha)^64, about 1e-10 at alpha 0.3: the
@@ -98,23 +112,11 @@ class SmoothedCalibration:
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        super().__init__(window, lo, hi, horizon_s, clock)
         self.alpha = alpha
-        self._recent = _Recent(window, lo, hi, horizon_s, clock)
-        self._value = 1.0
 
-    def add(self, measured_s: float, modelled_s: float) -> None:
-        """One measured job against what the model predicted for it."""
-        self._recent.add(measured_s, modelled_s)
-
-    @property
-    def value(self) -> float:
-        """The factor to multiply modelled times by."""
-        recent = self._recent
-        recent.expire()
-        if recent.changed:
-            value = 1.0
-            for _, ratio in recent.samples:
-                value += self.alpha * (ratio - value)
-            self._value = value
-            recent.changed = False
-        return self._value
+    def _summarise(self, ratios: list[float]) -> float:
+        value = 1.0
+        for ratio in ratios:
+            value += self.alpha * (ratio - value)
+        return value
