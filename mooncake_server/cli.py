@@ -184,13 +184,13 @@ def run(config: ServerConfig) -> None:
 
     setup_logging(config.role, config.log_level)
     if config.role == "all":
-        from mooncake_server.roles.all import run_all
+        from mooncake_server.roles.all.supervisor import run_all
 
         run_all(config)
         return
     import uvicorn
 
-    from mooncake_server.drain import DrainingServer
+    from mooncake_server.instance.drain import DrainingServer
     from mooncake_server.roles import app_for_role
 
     app = app_for_role(config)

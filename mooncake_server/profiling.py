@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.scheduler.perf_model import PerfModel
+from mooncake_server.cost_model.perf_model import PerfModel
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Profiler:
 
     def _seq(self, rid: str, total: int, computed: int):
         from mooncake_server.engine.sequence import Sequence as Seq
-        from mooncake_server.messages import SamplingParams
+        from mooncake_server.wire.jobs import SamplingParams
 
         ids = [(i * 7919) % (self.vocab - 1000) + 500 for i in range(total)]
         seq = Seq(rid, ids, total, SamplingParams(max_tokens=1, temperature=0.0), total + 1)

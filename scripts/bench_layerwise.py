@@ -20,7 +20,7 @@ import time
 
 import httpx
 
-from mooncake_server.launcher import Cluster, start_cluster
+from mooncake_testkit.launcher import Cluster, start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"
 _PREFILL_OFFSET = 2  # --role all: prefill listens on port + 2

@@ -177,9 +177,13 @@ def index_app() -> Any:
 
     from fastapi import FastAPI
 
-    from mooncake_server.heap import freeze_startup_heap
-    from mooncake_server.registry import InstanceRegistry, registry_router
-    from mooncake_server.store.master import StoreMaster, master_router, serve_index_channel
+    from mooncake_server.instance.heap import freeze_startup_heap
+    from mooncake_server.roles.conductor.registry import InstanceRegistry, registry_router
+    from mooncake_server.roles.conductor.store_index.master import (
+        StoreMaster,
+        master_router,
+        serve_index_channel,
+    )
 
     registry = InstanceRegistry(5.0)
     master = StoreMaster(registry, 1, SECRET)
@@ -236,14 +240,14 @@ class IndexProcess:
 async def bench_ours(iters: int) -> tuple[list[Row], dict[str, float]]:
     import httpx
 
-    from mooncake_server.heap import freeze_startup_heap
-    from mooncake_server.internal_http import secret_headers
-    from mooncake_server.messages import StoreLocation
-    from mooncake_server.registry import InstanceRegistry
-    from mooncake_server.store.client import StoreClient
-    from mooncake_server.store.master import StoreMaster
-    from mooncake_server.store.cluster import StoreCluster
+    from mooncake_server.instance.heap import freeze_startup_heap
+    from mooncake_server.roles.conductor.registry import InstanceRegistry
+    from mooncake_server.roles.conductor.store_index.master import StoreMaster
+    from mooncake_server.store_client.client import StoreClient
+    from mooncake_server.store_client.cluster import StoreCluster
     from mooncake_server.transfer import TransferEngine, crc32c
+    from mooncake_server.wire.auth import secret_headers
+    from mooncake_server.wire.instances import StoreLocation
 
     index = IndexProcess()
     port = free_port()

@@ -37,7 +37,7 @@ from tempfile import mkdtemp
 
 import httpx
 
-from mooncake_server.role_procs import RoleCluster
+from mooncake_testkit.role_procs import RoleCluster
 
 MODEL = "SmolLM2-135M-Instruct"
 KINDS = ("decode_kill", "decode_stall", "decode_drain", "migrate", "prefill_kill",

@@ -304,7 +304,7 @@ def launch(spec: str, server_args: list[str], conductor_args: list[str],
     `prefill_args` / `decode_args` go to those roles only (`all`: to every role; `colocated`:
     prefill_args, its engine prefills).
     """
-    from mooncake_server.launcher import free_port_block
+    from mooncake_testkit.launcher import free_port_block
 
     secret = secrets.token_hex(16)
     env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": secret}
@@ -369,7 +369,7 @@ def launch(spec: str, server_args: list[str], conductor_args: list[str],
 
 def prefill_seconds(urls: Sequence[str], secret: str) -> float | None:
     """Total `mooncake_prefill_seconds_sum` over prefill instances (None if none answers)."""
-    from mooncake_server.internal_http import secret_headers
+    from mooncake_server.wire.auth import secret_headers
 
     total, seen = 0.0, False
     for url in urls:

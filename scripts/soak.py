@@ -29,7 +29,7 @@ from tempfile import mkdtemp
 
 import httpx
 
-from mooncake_server.role_procs import RoleCluster
+from mooncake_testkit.role_procs import RoleCluster
 
 MODEL = "SmolLM2-135M-Instruct"
 MiB = 1 << 20

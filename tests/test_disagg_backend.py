@@ -10,18 +10,13 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from mooncake_server.backend import BackendError, GenerateRequest, TokenEvent
+from mooncake_server.api.backend import BackendError, GenerateRequest, TokenEvent
 from mooncake_server.block_keys import block_keys
 from mooncake_server.config import ServerConfig
-from mooncake_server.disagg_backend import DisaggregatedBackend
-from mooncake_server.messages import (
-    DecodeJob,
-    InstanceInfo,
-    PrefillJob,
-    PrefillResult,
-    SamplingParams,
-)
-from mooncake_server.registry import InstanceRegistry
+from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.roles.conductor.request_path import DisaggregatedBackend
+from mooncake_server.wire.instances import InstanceInfo
+from mooncake_server.wire.jobs import DecodeJob, PrefillJob, PrefillResult, SamplingParams
 
 SECRET = "s3cret"
 EOS = 2

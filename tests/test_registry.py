@@ -11,13 +11,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from mooncake_server.messages import Heartbeat, InstanceInfo
-from mooncake_server.registry import (
-    InstanceRegistry,
-    RegistrationError,
-    Registrar,
-    registry_router,
-)
+from mooncake_server.instance.registrar import Registrar, RegistrationError
+from mooncake_server.roles.conductor.registry import InstanceRegistry, registry_router
+from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 
 SECRET = "s3cret"
 

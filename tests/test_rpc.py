@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from mooncake_server.rpc import (
+from mooncake_server.wire.rpc import (
     MAGIC,
     MAX_FRAME,
     RpcClient,

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mooncake_server.backend import BackendError
+from mooncake_server.api.backend import BackendError
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from mooncake_server.api.backend import TokenEvent
 from mooncake_server.api.detokenizer import IncrementalDetokenizer
 from mooncake_server.api.metrics import ApiMetrics
-from mooncake_server.backend import TokenEvent
 
 
 @dataclass

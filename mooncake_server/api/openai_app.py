@@ -19,6 +19,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 
+from mooncake_server.api.backend import Backend, BackendError, GenerateRequest
 from mooncake_server.api.detokenizer import IncrementalDetokenizer
 from mooncake_server.api.errors import (
     APIError,
@@ -41,8 +42,7 @@ from mooncake_server.api.protocol import (
 from mooncake_server.api.responses import full_response, sse_chunk, sse_usage_chunk
 from mooncake_server.api.schema import completion_openapi
 from mooncake_server.api.security import ApiGuard
-from mooncake_server.backend import Backend, BackendError, GenerateRequest
-from mooncake_server.messages import SamplingParams
+from mooncake_server.wire.jobs import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mooncake_server.api.errors import APIError, error_body
-from mooncake_server.internal_http import (
+from mooncake_server.wire.auth import (
     bearer_token,
     header_value,
     same_secret,

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.core_budget import core_budget_for
 from mooncake_server.engine.cpu import cpu_features
+from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.model_runner import (
     ModelRunner,
     load_model,

@@ -17,8 +17,8 @@ from mooncake_server.engine.attention import (
     causal_mask,
     register_paged_attention,
 )
-from mooncake_server.engine.cpu import auto_dtype, auto_quantization, cpu_features
 from mooncake_server.engine.core_budget import CoreBudget, FixedThreads
+from mooncake_server.engine.cpu import auto_dtype, auto_quantization, cpu_features
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.linears import prepare_linears
 from mooncake_server.engine.sequence import Sequence

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mooncake_server.messages import SamplingParams
+from mooncake_server.wire.jobs import SamplingParams
 
 # NOTE: dividing by a temperature this close to 0 overflows float32 logits to inf (NaN probs);
 # such a temperature means greedy anyway.

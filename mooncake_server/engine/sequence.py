@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mooncake_server.messages import SamplingParams
+from mooncake_server.wire.jobs import SamplingParams
 
 
 class SeqStatus(enum.Enum):

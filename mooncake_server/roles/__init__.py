@@ -21,9 +21,9 @@ def app_for_role(config: ServerConfig) -> FastAPI:
     of the per-route checks, so an endpoint added without its guard is still closed.
     """
     from mooncake_server.api.security import PUBLIC_PATHS, PUBLIC_PREFIXES
-    from mooncake_server.internal_http import OPEN_PATHS, SecretGuard
+    from mooncake_server.wire.auth import OPEN_PATHS, SecretGuard
 
-    module = import_module(f"mooncake_server.roles.{config.role}")
+    module = import_module(f"mooncake_server.roles.{config.role}.app")
     app: FastAPI = module.build_app(config)
     if config.role in API_ROLES:
         app.add_middleware(SecretGuard, secret=config.cluster_secret,

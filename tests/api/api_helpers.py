@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 
-from mooncake_server.backend import BackendError, GenerateRequest, TokenEvent
+from mooncake_server.api.backend import BackendError, GenerateRequest, TokenEvent
 
 MODEL = "test-model"
 MAX_MODEL_LEN = 256

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from api_helpers import EOS, MAX_MODEL_LEN, MODEL, FakeBackend  # noqa: I001
 
-from mooncake_server.backend import BackendError
+from mooncake_server.api.backend import BackendError
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello"}]}
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mooncake_server.launcher import Cluster, start_cluster
 from mooncake_server.model_assets import resolve_model
+from mooncake_testkit.launcher import Cluster, start_cluster
 
 
 @pytest.fixture(scope="session")

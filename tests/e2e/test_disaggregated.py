@@ -7,15 +7,14 @@ import random
 import re
 import subprocess
 import time
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from typing import TYPE_CHECKING
-
 from openai import AsyncOpenAI
 
 if TYPE_CHECKING:
-    from mooncake_server.launcher import Cluster
+    from mooncake_testkit.launcher import Cluster
 
 pytestmark = pytest.mark.e2e
 

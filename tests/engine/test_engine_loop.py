@@ -9,12 +9,12 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from mooncake_server.backend import GenerateRequest
+from mooncake_server.api.backend import GenerateRequest
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
-from mooncake_server.engine.local_backend import LocalEngineBackend
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
 from mooncake_server.engine.model_runner import ModelRunner
-from mooncake_server.messages import SamplingParams
+from mooncake_server.roles.colocated.backend import LocalEngineBackend
+from mooncake_server.wire.jobs import SamplingParams
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:

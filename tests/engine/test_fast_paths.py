@@ -7,14 +7,13 @@ import copy
 
 import pytest
 import torch
+from test_engine_loop import collect, hf_greedy, make_backend
 
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.linears import bf16_packing_supported, prepare_linears
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
 from mooncake_server.engine.sequence import Sequence
-from mooncake_server.messages import SamplingParams
-
-from test_engine_loop import collect, hf_greedy, make_backend
+from mooncake_server.wire.jobs import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
 

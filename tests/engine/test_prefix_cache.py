@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mooncake_server.engine.kv_cache import KVLayout, OutOfBlocks, PagedKVCache
-from mooncake_server.engine.prefix_cache import LocalPrefixCache
+from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 
 
 def make(blocks: int = 6) -> LocalPrefixCache:

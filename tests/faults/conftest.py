@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_server.role_procs import RoleCluster
+from mooncake_testkit.role_procs import RoleCluster
 
 # Short heartbeats: a silent instance is declared dead within ~2 s.
 HEARTBEAT = ["--heartbeat-interval", "0.3", "--heartbeat-timeout", "2"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from mooncake_server.role_procs import RoleCluster
+from mooncake_testkit.role_procs import RoleCluster
 
 MODEL = "SmolLM2-135M-Instruct"
 

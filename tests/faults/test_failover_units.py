@@ -14,21 +14,15 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from mooncake_server.backend import BackendError, GenerateRequest
+from mooncake_server.api.backend import BackendError, GenerateRequest
 from mooncake_server.block_keys import block_keys
 from mooncake_server.config import ServerConfig
-from mooncake_server.disagg_backend import DisaggregatedBackend
-from mooncake_server.drain import DrainingServer
-from mooncake_server.failover import STALLED, InstanceLost, LineFeed, MoveOrdered
-from mooncake_server.messages import (
-    DecodeJob,
-    Heartbeat,
-    InstanceInfo,
-    PrefillJob,
-    PrefillResult,
-    SamplingParams,
-)
-from mooncake_server.registry import InstanceRegistry
+from mooncake_server.instance.drain import DrainingServer
+from mooncake_server.roles.conductor.failover import STALLED, InstanceLost, LineFeed, MoveOrdered
+from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.roles.conductor.request_path import DisaggregatedBackend
+from mooncake_server.wire.instances import Heartbeat, InstanceInfo
+from mooncake_server.wire.jobs import DecodeJob, PrefillJob, PrefillResult, SamplingParams
 
 BT = 4
 PROMPT = list(range(100, 110))  # 10 tokens: 2 full blocks and a tail

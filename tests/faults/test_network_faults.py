@@ -33,7 +33,7 @@ from fault_helpers import (
     wait_sync,
 )
 
-from mooncake_server.role_procs import RoleCluster
+from mooncake_testkit.role_procs import RoleCluster
 
 TAG = os.getpid() % 100000
 NS_A, NS_B = f"mcfa{TAG}", f"mcfb{TAG}"

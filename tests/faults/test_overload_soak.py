@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from mooncake_server.role_procs import RoleCluster
+from mooncake_testkit.role_procs import RoleCluster
 
 pytestmark = pytest.mark.e2e
 

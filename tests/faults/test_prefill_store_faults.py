@@ -17,7 +17,7 @@ from fault_helpers import (
     until,
 )
 
-from mooncake_server.role_procs import RoleCluster
+from mooncake_testkit.role_procs import RoleCluster
 
 pytestmark = pytest.mark.e2e
 

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 from mooncake_server.block_keys import block_keys
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.sequence import Sequence
-from mooncake_server.engine.writeback import BlockWriteBack, WriteBackMetrics
-from mooncake_server.messages import SamplingParams
+from mooncake_server.roles.decode.writeback import BlockWriteBack, WriteBackMetrics
+from mooncake_server.wire.jobs import SamplingParams
 
 NS = "test-namespace"
 BT = 4

@@ -18,12 +18,12 @@ from fuzz_helpers import API_KEY, SECRET, LiveCluster, chat_ok
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncake_server.internal_http import secret_headers
-from mooncake_server.messages import InstanceInfo
-from mooncake_server.registry import Registrar, RegistrationError
-from mooncake_server.rpc import RpcClient, RpcError, RpcStatus
-from mooncake_server.store.service import StoreOp
+from mooncake_server.instance.registrar import Registrar, RegistrationError
+from mooncake_server.roles.store.service import StoreOp
 from mooncake_server.transfer import TransferEngine, TransferError
+from mooncake_server.wire.auth import secret_headers
+from mooncake_server.wire.instances import InstanceInfo
+from mooncake_server.wire.rpc import RpcClient, RpcError, RpcStatus
 
 EXAMPLES_PER_ENDPOINT = 15
 INTERNAL = secret_headers(SECRET)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.roles.all import child_argv
+from mooncake_server.roles.all.supervisor import child_argv
 
 
 def flag(argv: list[str], name: str) -> str | None:

@@ -23,17 +23,12 @@ from fastapi.responses import StreamingResponse
 
 from mooncake_server.block_keys import block_keys, kv_namespace
 from mooncake_server.config import ServerConfig
-from mooncake_server.internal_http import require_secret
-from mooncake_server.messages import (
-    DecodeEvent,
-    DecodeJob,
-    InstanceInfo,
-    PrefillJob,
-    PrefillResult,
-    StoreKeys,
-)
-from mooncake_server.registry import Registrar
-from mooncake_server.roles.conductor import build_app
+from mooncake_server.instance.registrar import Registrar
+from mooncake_server.roles.conductor.app import build_app
+from mooncake_server.wire.auth import require_secret
+from mooncake_server.wire.instances import InstanceInfo
+from mooncake_server.wire.jobs import DecodeEvent, DecodeJob, PrefillJob, PrefillResult
+from mooncake_server.wire.store_ops import StoreKeys
 
 SECRET = "cluster-s3cret"
 MODEL = "smol"

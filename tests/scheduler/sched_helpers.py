@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from mooncake_server.backend import GenerateRequest
-from mooncake_server.messages import Heartbeat, InstanceInfo, SamplingParams
-from mooncake_server.registry import InstanceRegistry
-from mooncake_server.scheduler.perf_model import PerfModel
+from mooncake_server.api.backend import GenerateRequest
+from mooncake_server.cost_model.perf_model import PerfModel
+from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.wire.instances import Heartbeat, InstanceInfo
+from mooncake_server.wire.jobs import SamplingParams
 
 BT = 16
 # Round numbers: 1 ms per token + 10 ms per pass; a decode step 20 ms + 5 ms per sequence.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sched_helpers import MODEL, Clock
 
-from mooncake_server.scheduler.admission import AdmissionRefused, DecodeAdmission
+from mooncake_server.roles.decode.admission import AdmissionRefused, DecodeAdmission
 
 
 def admission(blocks: int = 10, tbt_slo: float | None = None,
@@ -68,7 +68,7 @@ def test_a_job_claims_its_reservation_and_unclaimed_ones_expire() -> None:
 
 
 def test_calibration_budgets_for_the_slow_tail_of_steps() -> None:
-    from mooncake_server.scheduler.calibration import TailCalibration
+    from mooncake_server.cost_model.calibration import TailCalibration
 
     cal = TailCalibration()
     assert cal.value == 1.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sched_helpers import Clock
 
-from mooncake_server.scheduler.calibration import SmoothedCalibration, TailCalibration
+from mooncake_server.cost_model.calibration import SmoothedCalibration, TailCalibration
 
 
 def test_the_tail_forgets_slow_steps_once_they_are_older_than_the_horizon() -> None:

@@ -10,13 +10,8 @@ import pytest
 from live_cluster import BLOCK, Cluster, start
 
 from mooncake_server.block_keys import block_keys, kv_namespace
-from mooncake_server.messages import (
-    InstanceStatus,
-    PrefillJob,
-    PrefillResult,
-    SamplingParams,
-    StoreLocation,
-)
+from mooncake_server.wire.instances import InstanceStatus, StoreLocation
+from mooncake_server.wire.jobs import PrefillJob, PrefillResult, SamplingParams
 
 
 @pytest.fixture(scope="module")

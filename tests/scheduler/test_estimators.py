@@ -7,8 +7,12 @@ import dataclasses
 import pytest
 from sched_helpers import MODEL
 
-from mooncake_server.scheduler.estimators import estimate_prefill, estimate_tbt, reusable_blocks
-from mooncake_server.scheduler.load import DecodeLoad
+from mooncake_server.roles.conductor.scheduler.estimators import (
+    estimate_prefill,
+    estimate_tbt,
+    reusable_blocks,
+)
+from mooncake_server.roles.conductor.scheduler.load import DecodeLoad
 
 
 def test_ttft_adds_queue_transfer_and_uncached_prefill() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from sched_helpers import Clock
 
-from mooncake_server.messages import Heartbeat
-from mooncake_server.scheduler.load import LoadTracker
+from mooncake_server.roles.conductor.scheduler.load import LoadTracker
+from mooncake_server.wire.instances import Heartbeat
 
 
 def test_queue_is_the_sum_of_queued_estimates_minus_progress() -> None:

@@ -8,11 +8,14 @@ from fastapi import FastAPI
 from sched_helpers import cluster
 
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
-from mooncake_server.engine.prefix_cache import LocalPrefixCache
-from mooncake_server.messages import PrefillCacheReport
-from mooncake_server.scheduler.cache_report import CacheReporter
-from mooncake_server.scheduler.local_index import LocalCacheIndex, local_cache_router
-from mooncake_server.scheduler.oracle import STORE_WIDE, IndexPrefixOracle
+from mooncake_server.roles.conductor.scheduler.local_index import (
+    LocalCacheIndex,
+    local_cache_router,
+)
+from mooncake_server.roles.conductor.scheduler.oracle import STORE_WIDE, IndexPrefixOracle
+from mooncake_server.roles.prefill.cache_report import CacheReporter
+from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
+from mooncake_server.wire.jobs import PrefillCacheReport
 
 SECRET = "s3cret"
 
@@ -92,7 +95,7 @@ def test_a_delta_from_an_unknown_epoch_or_out_of_order_asks_for_a_snapshot() -> 
 async def test_the_oracle_answers_each_prefill_instance_from_its_own_cache() -> None:
     class StoreIndex:
         def prefix(self, keys: list[str]):
-            from mooncake_server.messages import StorePrefixReply
+            from mooncake_server.wire.index import StorePrefixReply
 
             return StorePrefixReply(prefix=3, by_node={"s1": 3})
 

@@ -6,9 +6,14 @@ import json
 
 import httpx
 
-from mooncake_server.messages import InstanceInfo, StorePrefixReply
-from mooncake_server.registry import InstanceRegistry
-from mooncake_server.scheduler.oracle import STORE_WIDE, IndexPrefixOracle, StoreExistsOracle
+from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.roles.conductor.scheduler.oracle import (
+    STORE_WIDE,
+    IndexPrefixOracle,
+    StoreExistsOracle,
+)
+from mooncake_server.wire.index import StorePrefixReply
+from mooncake_server.wire.instances import InstanceInfo
 
 
 def registry() -> InstanceRegistry:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_server.scheduler.perf_model import PerfModel
+from mooncake_server.cost_model.perf_model import PerfModel
 
 
 def test_times_grow_with_work() -> None:

@@ -9,10 +9,10 @@ import pytest
 from sched_helpers import BT, MODEL, Clock, cluster, request
 
 from mooncake_server.config import POLICIES
-from mooncake_server.messages import Heartbeat
-from mooncake_server.scheduler.load import LoadTracker
-from mooncake_server.scheduler.oracle import STORE_WIDE
-from mooncake_server.scheduler.policy import KVCacheScheduler, Policy, SLORejected
+from mooncake_server.roles.conductor.scheduler.load import LoadTracker
+from mooncake_server.roles.conductor.scheduler.oracle import STORE_WIDE
+from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler, Policy, SLORejected
+from mooncake_server.wire.instances import Heartbeat
 
 
 class Hits:

@@ -9,10 +9,10 @@ import pytest
 
 from mooncake_server.cli import main
 from mooncake_server.config import ServerConfig
+from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.profiling import Sample, fit_nonnegative
-from mooncake_server.registry import InstanceRegistry
-from mooncake_server.scheduler import build_scheduler
-from mooncake_server.scheduler.perf_model import PerfModel
+from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.roles.conductor.scheduler import build_scheduler
 
 
 def test_fit_recovers_known_coefficients() -> None:

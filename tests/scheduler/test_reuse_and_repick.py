@@ -9,11 +9,11 @@ import pytest
 from sched_helpers import BT, MODEL, Clock, cluster, request
 from test_policy import keys, scheduler
 
-from mooncake_server.messages import DecodeRelease, DecodeReserve
-from mooncake_server.scheduler.admission_client import reserve_decode
-from mooncake_server.scheduler.load import LoadTracker
-from mooncake_server.scheduler.oracle import STORE_WIDE
-from mooncake_server.scheduler.policy import KVCacheScheduler, SLORejected
+from mooncake_server.roles.conductor.admission_client import reserve_decode
+from mooncake_server.roles.conductor.scheduler.load import LoadTracker
+from mooncake_server.roles.conductor.scheduler.oracle import STORE_WIDE
+from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler, SLORejected
+from mooncake_server.wire.jobs import DecodeRelease, DecodeReserve
 
 
 async def test_cache_global_fetches_from_the_store_only_when_it_chose_to() -> None:

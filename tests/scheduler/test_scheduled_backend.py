@@ -11,11 +11,11 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from sched_helpers import BT, MODEL, Clock, cluster
 
+from mooncake_server.api.backend import GenerateRequest, TokenEvent
 from mooncake_server.api.openai_app import install_api
-from mooncake_server.backend import GenerateRequest, TokenEvent
-from mooncake_server.scheduler import ScheduledBackend
-from mooncake_server.scheduler.load import LoadTracker
-from mooncake_server.scheduler.policy import KVCacheScheduler
+from mooncake_server.roles.conductor.scheduler import ScheduledBackend
+from mooncake_server.roles.conductor.scheduler.load import LoadTracker
+from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler
 
 
 @dataclass
@@ -88,6 +88,6 @@ async def test_api_answers_429_with_retry_after_before_any_work(tokenizer) -> No
 
 
 def _sampling():
-    from mooncake_server.messages import SamplingParams
+    from mooncake_server.wire.jobs import SamplingParams
 
     return SamplingParams(max_tokens=3, temperature=0.0)

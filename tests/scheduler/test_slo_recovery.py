@@ -22,9 +22,9 @@ import httpx
 import pytest
 from live_cluster import BLOCK, Cluster, start
 
-from mooncake_server.roles import decode as decode_role
-from mooncake_server.scheduler.load import LoadTracker
-from mooncake_server.scheduler.perf_model import PerfModel
+from mooncake_server.cost_model.perf_model import PerfModel
+from mooncake_server.roles.conductor.scheduler.load import LoadTracker
+from mooncake_server.roles.decode import app as decode_role
 
 TBT_SLO_S = 0.3
 TTFT_SLO_S = 5.0

@@ -14,8 +14,8 @@ from security_helpers import MAX_MODEL_LEN, MODEL, EchoBackend, serve
 from mooncake_server.api.openai_app import install_api
 from mooncake_server.cli import parse_config
 from mooncake_server.config import ServerConfig
-from mooncake_server.messages import SECRET_HEADER
 from mooncake_server.roles import app_for_role
+from mooncake_server.wire.auth import SECRET_HEADER
 
 KEY = "sk-test-key-123"
 SECRET = "cluster-secret-xyz"
@@ -24,7 +24,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 def api_app(tokenizer: Any, api_key: str = KEY, secret: str = SECRET) -> FastAPI:
     """The OpenAI API over a scripted backend, with /health and /metrics like the roles have."""
-    from mooncake_server.internal_http import metrics_response
+    from mooncake_server.wire.auth import metrics_response
 
     app = FastAPI()
     registry = CollectorRegistry()

@@ -17,9 +17,9 @@ from fastapi import FastAPI
 
 from mooncake_server.cli import check_can_start, main, parse_config
 from mooncake_server.config import ServerConfig
-from mooncake_server.messages import SECRET_HEADER
 from mooncake_server.roles import app_for_role
-from mooncake_server.roles.all import child_argv, child_env
+from mooncake_server.roles.all.supervisor import child_argv, child_env
+from mooncake_server.wire.auth import SECRET_HEADER
 
 SECRET = "the-cluster-secret"
 INTERNAL_ROLES = ("prefill", "decode", "store")
@@ -71,7 +71,7 @@ async def test_routes_guard_themselves_too(role: str) -> None:
     from importlib import import_module
 
     config = ServerConfig(role=role, conductor_url="http://127.0.0.1:9", cluster_secret=SECRET)
-    app = import_module(f"mooncake_server.roles.{role}").build_app(config)
+    app = import_module(f"mooncake_server.roles.{role}.app").build_app(config)
     internal = [(m, p) for m, p in served_paths(app)
                 if p.startswith(("/internal/", "/store/"))]
     assert internal

@@ -17,11 +17,15 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from mooncake_server.launcher import free_port_block
-from mooncake_server.messages import SECRET_HEADER
-from mooncake_server.registry import InstanceRegistry, registry_router
-from mooncake_server.rpc import RpcServer
-from mooncake_server.store.master import StoreMaster, master_router, serve_index_channel
+from mooncake_server.roles.conductor.registry import InstanceRegistry, registry_router
+from mooncake_server.roles.conductor.store_index.master import (
+    StoreMaster,
+    master_router,
+    serve_index_channel,
+)
+from mooncake_server.wire.auth import SECRET_HEADER
+from mooncake_server.wire.rpc import RpcServer
+from mooncake_testkit.launcher import free_port_block
 
 SECRET = "store-procs-secret"
 HEADERS = {SECRET_HEADER: SECRET}

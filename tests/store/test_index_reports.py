@@ -6,8 +6,9 @@ from __future__ import annotations
 import httpx
 from store_procs import SECRET, index_server
 
-from mooncake_server.messages import InstanceInfo, StoreEntry
-from mooncake_server.store.reporter import IndexReporter
+from mooncake_server.roles.store.reporter import IndexReporter
+from mooncake_server.wire.index import StoreEntry
+from mooncake_server.wire.instances import InstanceInfo
 
 
 async def test_reports_move_to_the_channel_and_fall_back_to_http_when_it_dies() -> None:

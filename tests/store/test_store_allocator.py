@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from mooncake_server.store.allocator import ALIGNMENT, OffsetAllocator
+from mooncake_server.roles.store.allocator import ALIGNMENT, OffsetAllocator
 
 
 def test_offsets_are_aligned_and_disjoint() -> None:

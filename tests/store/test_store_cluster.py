@@ -13,7 +13,7 @@ import httpx
 import pytest
 from store_procs import SECRET, IndexServer, StoreProc, addr_of, index_server, store_proc, until
 
-from mooncake_server.store.cluster import StoreCluster, StoreUnavailable
+from mooncake_server.store_client.cluster import StoreCluster, StoreUnavailable
 from mooncake_server.transfer import TransferEngine, crc32c
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from mooncake_server.messages import Heartbeat, InstanceInfo, StoreEntry, StoreReport
-from mooncake_server.registry import InstanceRegistry
-from mooncake_server.store.index import GlobalIndex
-from mooncake_server.store.master import StoreMaster
+from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.roles.conductor.store_index.index import GlobalIndex
+from mooncake_server.roles.conductor.store_index.master import StoreMaster
+from mooncake_server.wire.index import StoreEntry, StoreReport
+from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 
 
 def entries(keys: list[str], tier: str | None = "dram") -> list[StoreEntry]:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from store_procs import addr_of
 
-from mooncake_server.messages import StoreEntry
-from mooncake_server.store.node import StoreNode
-from mooncake_server.store.ssd import SsdTier
+from mooncake_server.roles.store.node import StoreNode
+from mooncake_server.roles.store.ssd import SsdTier
 from mooncake_server.transfer import crc32c
+from mooncake_server.wire.index import StoreEntry
 
 BLOCK = 4096
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_server.store.objects import ObjectTable
+from mooncake_server.roles.store.objects import ObjectTable
 
 BLOCK = 1024
 

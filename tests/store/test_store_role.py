@@ -15,16 +15,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.messages import (
-    SECRET_HEADER,
-    Heartbeat,
-    InstanceInfo,
-    StoreReport,
-    StoreReportReply,
-)
-from mooncake_server.roles.store import StoreRuntime, build_app
-from mooncake_server.store.client import ChecksumError, StoreClient, StoreError
+from mooncake_server.roles.store.app import StoreRuntime, build_app
+from mooncake_server.store_client.client import ChecksumError, StoreClient, StoreError
 from mooncake_server.transfer import TransferEngine, _native, crc32c
+from mooncake_server.wire.auth import SECRET_HEADER
+from mooncake_server.wire.index import StoreReport, StoreReportReply
+from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 
 SECRET = "store-test-secret"
 BLOCK = 10_000  # deliberately not a multiple of the store's 64-byte alignment

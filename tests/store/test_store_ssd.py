@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mooncake_server.store.ssd import SsdTier
+from mooncake_server.roles.store.ssd import SsdTier
 
 
 async def test_write_read_back_and_reload_after_restart(tmp_path: Path) -> None:

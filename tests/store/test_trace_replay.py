@@ -19,8 +19,8 @@ import pytest
 from store_procs import SECRET, addr_of, index_server
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.roles.store import build_app
-from mooncake_server.store.client import StoreClient
+from mooncake_server.roles.store.app import build_app
+from mooncake_server.store_client.client import StoreClient
 from mooncake_server.transfer import TransferEngine, crc32c
 
 TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "synthetic_trace.jsonl"

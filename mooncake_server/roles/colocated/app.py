@@ -1,0 +1,78 @@
+"""`--role colocated`: the tightly coupled baseline — one engine does prefill and decode itself.
+
+A request walks: OpenAI API -> tokenized -> waiting in the engine loop -> running (its prompt is
+prefilled in chunks inside the same forward passes that decode the other requests) -> finished.
+No store, no transfer: every benchmark compares the disaggregated path against this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from transformers import AutoTokenizer
+
+from mooncake_server.api.limits import RequestLimits
+from mooncake_server.api.openai_app import install_api
+from mooncake_server.api.prompts import load_eos_token_ids
+from mooncake_server.config import ServerConfig
+from mooncake_server.engine.core_budget import no_team_on_this_thread
+from mooncake_server.engine.factory import build_runner
+from mooncake_server.engine.loop import EngineLoop, EngineMetrics
+from mooncake_server.model_assets import resolve_model, served_name
+from mooncake_server.roles.colocated.backend import LocalEngineBackend
+from mooncake_server.wire.auth import metrics_response
+
+log = logging.getLogger(__name__)
+
+
+def build_app(config: ServerConfig) -> FastAPI:
+    """The colocated server: OpenAI API over an in-process engine."""
+    registry = CollectorRegistry()
+    engine_metrics = EngineMetrics(registry)
+    # The model path is resolved now (converting the bundled model if needed), because the API
+    # routes need the tokenizer before the app starts.
+    model_path = resolve_model(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    runner, info = build_runner(config.replace(model=model_path),
+                                lambda nbytes: bytearray(nbytes))
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocated-forward")
+    loop = EngineLoop(runner, executor, engine_metrics, config.max_batch_size,
+                      config.prefill_chunk_tokens, config.decode_chunk_tokens)
+    backend = LocalEngineBackend(loop, info.max_model_len)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        no_team_on_this_thread()  # the event loop samples; the forward thread computes
+        loop.start()
+        log.info("colocated engine ready: %s", info.name)
+        try:
+            yield
+        finally:
+            await loop.stop()
+            await asyncio.to_thread(executor.shutdown, True)
+            runner.cores.close()
+
+    app = FastAPI(title="mooncake-server colocated", lifespan=lifespan)
+    install_api(app, backend, tokenizer, served_name(config.model, config.served_model_name),
+                info.max_model_len, registry,
+                eos_token_ids=load_eos_token_ids(model_path, tokenizer),
+                limits=RequestLimits.from_config(config), api_key=config.api_key,
+                secret=config.cluster_secret, log_prompts=config.log_prompts)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness."""
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        """Prometheus metrics."""
+        return metrics_response(registry)
+
+    return app

@@ -1,0 +1,246 @@
+"""The conductor's ledger of work in flight on each instance, merged with their heartbeats.
+
+A request, as the ledger sees it: assigned (queued on its prefill instance with a time estimate,
+counted in its decode instance's batch) -> first token (leaves the prefill queue; the measured
+prefill time calibrates that instance's later estimates) -> tokens (its decode context grows;
+the gaps between them calibrate the decode instance's step-time estimates) ->
+finished (leaves the decode batch). Heartbeats arrive about once a second; the ledger changes
+with every request, so between beats it is the fresher view, and a beat reporting more work than
+the ledger knows (another conductor, a restart) raises the estimate, never lowers it.
+Calibrations keep only the measurements of the last `horizon_s` seconds (calibration.py): an
+instance that gets no work, say because its slow measurements made the SLOs reject everything,
+is judged by the model again once they age out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from mooncake_server.cost_model.calibration import (
+    DEFAULT_HORIZON_S,
+    SmoothedCalibration,
+    TailCalibration,
+)
+from mooncake_server.wire.instances import Heartbeat
+
+# The hand-off gap is modelled as this many decode steps (wait for the running step, then the
+# request's own) before its calibration; the KV load rides inside the calibrated factor.
+HANDOFF_STEPS = 2.0
+
+
+@dataclass
+class _PrefillEntry:
+    request_id: str
+    estimate_s: float  # uncalibrated model estimate
+    assigned_at: float
+
+
+class _Calibrations(NamedTuple):
+    """What one process of an instance measured against the model."""
+
+    # Measured / estimated prefill time of a queue's head, smoothed; clamped (0.25..8) so one
+    # outlier cannot make an instance look idle or dead.
+    prefill: SmoothedCalibration
+    # Every token gap against the modelled step: the slow tail, as TBT is judged (CPU
+    # contention on a shared host can slow steps many times over).
+    decode: TailCalibration
+    # The gap between a request's first token (prefill) and its second (decode's first step):
+    # the hand-off (decode job, KV load, joining the batch), against HANDOFF_STEPS modelled
+    # steps. With short outputs it is the longest gap, so it decides the request's TBT; one per
+    # request, so the quantile kept is about the share of requests meant to meet the SLO.
+    handoff: TailCalibration
+
+
+@dataclass
+class _Instance:
+    cal: _Calibrations
+    prefill: list[_PrefillEntry] = field(default_factory=list)  # FIFO, as the instance serves
+    last_done_at: float = float("-inf")
+    decode: dict[str, int] = field(default_factory=dict)  # request id -> context tokens
+
+
+class DecodeLoad(NamedTuple):
+    """A decode instance's batch: sequences and the context tokens they attend in all."""
+
+    batch: int
+    context_tokens: int
+
+
+class LoadTracker:
+    """Per-instance prefill queues and decode batches of requests this conductor placed."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *,
+                 horizon_s: float = DEFAULT_HORIZON_S) -> None:
+        self._clock = clock
+        self.horizon_s = horizon_s
+        self._instances: dict[str, _Instance] = {}
+        self._prefill_of: dict[str, str] = {}  # request id -> prefill instance
+        self._decode_of: dict[str, str] = {}  # request id -> decode instance
+        self._last_token_at: dict[str, float] = {}  # request id -> its previous token's arrival
+        self._first_token_at: dict[str, float] = {}  # request id -> prefill's token, until decode's
+        self._incarnations: dict[str, str] = {}  # instance id -> the process last registered
+
+    def _get(self, instance_id: str) -> _Instance:
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            inst = self._instances[instance_id] = _Instance(self._fresh_calibrations())
+        return inst
+
+    def _fresh_calibrations(self) -> _Calibrations:
+        h, clock = self.horizon_s, self._clock
+        return _Calibrations(SmoothedCalibration(horizon_s=h, clock=clock),
+                             TailCalibration(horizon_s=h, clock=clock),
+                             TailCalibration(quantile=0.98, horizon_s=h, clock=clock))
+
+    # ---- events -------------------------------------------------------------------------------
+
+    def registered(self, instance_id: str, incarnation: str | None) -> None:
+        """An instance (re-)registered; a new process under the same id starts uncalibrated."""
+        if incarnation is None:
+            return
+        previous = self._incarnations.get(instance_id)
+        self._incarnations[instance_id] = incarnation
+        inst = self._instances.get(instance_id)
+        if previous is None or previous == incarnation or inst is None:
+            return
+        # Its work in flight stays counted (failover moves it and tells us); what it measured
+        # about the dead process (often a cold start's slow outliers) must not starve the new one.
+        inst.cal = self._fresh_calibrations()
+        inst.last_done_at = float("-inf")
+
+    def assign(self, request_id: str, prefill_id: str, prefill_estimate_s: float,
+               decode_id: str, context_tokens: int) -> None:
+        """A request was placed: queue its prefill, count it in its decode batch."""
+        self._get(prefill_id).prefill.append(
+            _PrefillEntry(request_id, prefill_estimate_s, self._clock()))
+        self._prefill_of[request_id] = prefill_id
+        self._get(decode_id).decode[request_id] = context_tokens
+        self._decode_of[request_id] = decode_id
+
+    def prefill_done(self, request_id: str) -> None:
+        """The request's first token arrived: its prefill left the queue."""
+        prefill_id = self._prefill_of.pop(request_id, None)
+        if prefill_id is None:
+            return
+        inst = self._get(prefill_id)
+        now = self._clock()
+        self._first_token_at[request_id] = now
+        for i, entry in enumerate(inst.prefill):
+            if entry.request_id == request_id:
+                started = max(entry.assigned_at, inst.last_done_at)
+                if i == 0:
+                    # Only the head was measured alone; later ones overlapped its wait.
+                    inst.cal.prefill.add(now - started, entry.estimate_s)
+                del inst.prefill[i]
+                break
+        inst.last_done_at = now
+
+    def token(self, request_id: str, predicted_step_s: float | None = None) -> None:
+        """One more token decoded: the request's context grows by one.
+
+        With `predicted_step_s` (the model's step time for the batch now), the gap since the
+        request's previous token calibrates its decode instance; the gap after the first token
+        includes loading the KV, so it is not used.
+        """
+        decode_id = self._decode_of.get(request_id)
+        if decode_id is None:
+            return
+        inst = self._get(decode_id)
+        if request_id in inst.decode:
+            inst.decode[request_id] += 1
+        now = self._clock()
+        last = self._last_token_at.get(request_id)
+        self._last_token_at[request_id] = now
+        first = self._first_token_at.pop(request_id, None)
+        if not predicted_step_s:
+            return
+        if last is not None:
+            inst.cal.decode.add(now - last, predicted_step_s)
+        elif first is not None:
+            inst.cal.handoff.add(now - first, HANDOFF_STEPS * predicted_step_s)
+
+    def move_decode(self, request_id: str, decode_id: str) -> None:
+        """The request's decode instance changed (the planned one refused it at admission)."""
+        old = self._decode_of.get(request_id)
+        if old is None or old == decode_id:
+            return
+        context = self._get(old).decode.pop(request_id, 0)
+        self._get(decode_id).decode[request_id] = context
+        self._decode_of[request_id] = decode_id
+        # The next gap includes the move (loading KV): it must not calibrate either instance.
+        self._last_token_at.pop(request_id, None)
+        self._first_token_at.pop(request_id, None)
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (any outcome): forget it everywhere."""
+        if request_id in self._prefill_of:
+            prefill_id = self._prefill_of.pop(request_id)
+            inst = self._get(prefill_id)
+            inst.prefill = [e for e in inst.prefill if e.request_id != request_id]
+        decode_id = self._decode_of.pop(request_id, None)
+        if decode_id is not None:
+            self._get(decode_id).decode.pop(request_id, None)
+        self._last_token_at.pop(request_id, None)
+        self._first_token_at.pop(request_id, None)
+
+    # ---- views --------------------------------------------------------------------------------
+
+    def calibration(self, instance_id: str) -> float:
+        """Measured / estimated prefill time on this instance (1.0 until measured)."""
+        inst = self._instances.get(instance_id)
+        return inst.cal.prefill.value if inst else 1.0
+
+    def handoff_calibration(self, instance_id: str) -> float:
+        """Measured / modelled hand-off gaps of a decode instance (their slow tail)."""
+        inst = self._instances.get(instance_id)
+        return inst.cal.handoff.value if inst else 1.0
+
+    def decode_calibration(self, instance_id: str) -> float:
+        """Measured / modelled decode step time on this instance (1.0 until measured)."""
+        inst = self._instances.get(instance_id)
+        return inst.cal.decode.value if inst else 1.0
+
+    def decode_of(self, request_id: str) -> str | None:
+        """The decode instance a request was placed on."""
+        return self._decode_of.get(request_id)
+
+    def prefill_queue_s(self, instance_id: str, beat: Heartbeat | None = None) -> float:
+        """Seconds until this instance could start a new prefill (calibrated)."""
+        inst = self._instances.get(instance_id)
+        cal = inst.cal.prefill.value if inst else 1.0
+        queue = [e.estimate_s * cal for e in inst.prefill] if inst else []
+        total = sum(queue)
+        if inst and inst.prefill:
+            head = inst.prefill[0]
+            running_for = self._clock() - max(head.assigned_at, inst.last_done_at)
+            total -= min(max(0.0, running_for), queue[0])
+        if beat is not None and beat.waiting > len(queue):
+            # Work we did not place: assume it costs what ours costs on average (or 0 if unknown).
+            mean = sum(queue) / len(queue) if queue else 0.0
+            total += (beat.waiting - len(queue)) * mean
+        return max(0.0, total)
+
+    def prefill_queue_len(self, instance_id: str, beat: Heartbeat | None = None) -> int:
+        """Prefill jobs queued or running on this instance."""
+        inst = self._instances.get(instance_id)
+        ours = len(inst.prefill) if inst else 0
+        return max(ours, beat.waiting if beat else 0)
+
+    def decode_load(self, instance_id: str, beat: Heartbeat | None = None) -> DecodeLoad:
+        """Sequences on this decode instance and their total context."""
+        inst = self._instances.get(instance_id)
+        batch = len(inst.decode) if inst else 0
+        context = sum(inst.decode.values()) if inst else 0
+        reported = (beat.running + beat.waiting) if beat else 0
+        if reported > batch:
+            mean = context / batch if batch else 0
+            context += int((reported - batch) * mean)
+            batch = reported
+        return DecodeLoad(batch, context)
+
+    def in_flight(self) -> int:
+        """Requests placed and not finished."""
+        return len(self._decode_of)

@@ -1,0 +1,37 @@
+"""Prometheus view of the scheduler, read at scrape time (no state of its own)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler
+
+
+class SchedulerCollector(Collector):
+    """Rejections, requests in flight, and each prefill instance's estimated queue."""
+
+    def __init__(self, scheduler: KVCacheScheduler) -> None:
+        self._scheduler = scheduler
+
+    def collect(self) -> Iterator[Metric]:
+        """One sample per series."""
+        s = self._scheduler
+        rejected = CounterMetricFamily(
+            "mooncake_scheduler_rejected", "Requests rejected early (429) because an SLO could "
+            "not be met")
+        rejected.add_metric([], s.rejected)
+        yield rejected
+        in_flight = GaugeMetricFamily("mooncake_scheduler_in_flight",
+                                      "Requests placed and not finished")
+        in_flight.add_metric([], s.tracker.in_flight())
+        yield in_flight
+        queue = GaugeMetricFamily("mooncake_scheduler_prefill_queue_seconds",
+                                  "Estimated wait before a prefill instance starts a new job",
+                                  labels=["instance"])
+        for info in s.registry.alive("prefill"):
+            queue.add_metric([info.instance_id], s.tracker.prefill_queue_s(
+                info.instance_id, s.registry.load(info.instance_id)))
+        yield queue

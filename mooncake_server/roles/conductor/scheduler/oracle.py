@@ -1,0 +1,140 @@
+"""Where a request's prefix is cached: the `PrefixOracle` the scheduler asks once per request.
+
+`longest_prefix(keys)` answers, in leading *blocks* of `keys`:
+  - `STORE_WIDE` ("*"): the longest prefix cached anywhere in the global store (all nodes);
+  - a prefill instance id: the longest prefix that instance can use without a network transfer:
+    its own prefix cache as it reports it (`LocalCacheIndex`), or, without such reports, a store
+    node on the same host;
+  - a store node id: the longest prefix that node alone holds.
+Missing instances mean 0. Two implementations: the conductor's global store index (no I/O), and
+one `/store/exists` call to a store node (works against any single store).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import httpx
+
+from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.wire.auth import secret_headers
+from mooncake_server.wire.index import StorePrefixReply
+from mooncake_server.wire.instances import InstanceInfo
+from mooncake_server.wire.store_ops import StoreExistsReply, StoreKeys
+
+log = logging.getLogger(__name__)
+
+STORE_WIDE = "*"
+
+
+class PrefixOracle(Protocol):
+    """Longest cached prefix of a request's block keys, per instance and store-wide."""
+
+    async def longest_prefix(self, keys: Sequence[str]) -> dict[str, int]:
+        """Leading cached blocks of `keys`: `STORE_WIDE` -> store-wide, instance id -> local.
+
+        Args:
+            keys: the request's chained block keys, in prompt order.
+        Returns:
+            blocks, never more than len(keys); absent entries mean 0.
+        """
+        ...
+
+
+class PrefixIndex(Protocol):
+    """The part of the conductor's store master the oracle needs (`StoreMaster.prefix`)."""
+
+    def prefix(self, keys: list[str]) -> StorePrefixReply:
+        """Longest prefix cached anywhere, and per live node."""
+        ...
+
+
+def _host(url: str) -> str:
+    return urlsplit(url).hostname or url
+
+
+class NoPrefixOracle:
+    """Nothing is ever cached (tests, or a cluster without a store)."""
+
+    async def longest_prefix(self, keys: Sequence[str]) -> dict[str, int]:
+        """Always empty."""
+        return {}
+
+
+class LocalIndex(Protocol):
+    """What prefill instances hold in their own caches (`LocalCacheIndex.prefix`)."""
+
+    def prefix(self, instance_id: str, keys: list[str]) -> int:
+        """Leading keys the instance holds."""
+        ...
+
+
+class IndexPrefixOracle:
+    """Answers from the conductor's global store index and, with `local`, from the prefill
+    instances' reports of their own caches. Without `local`, a store node is local to the
+    prefill instances on its host (the paper's deployment: the store pool is the prefill
+    nodes' DRAM)."""
+
+    def __init__(self, index: PrefixIndex, registry: InstanceRegistry,
+                 local: LocalIndex | None = None) -> None:
+        self._index = index
+        self._registry = registry
+        self._local = local
+
+    async def longest_prefix(self, keys: Sequence[str]) -> dict[str, int]:
+        """One in-memory index query, spread onto colocated prefill instances."""
+        if not keys:
+            return {}
+        reply = self._index.prefix(list(keys))
+        hits: dict[str, int] = {STORE_WIDE: reply.prefix, **reply.by_node}
+        if self._local is not None:
+            for prefill in self._registry.alive("prefill"):
+                local = self._local.prefix(prefill.instance_id, list(keys))
+                if local:
+                    hits[prefill.instance_id] = local
+            return hits
+        by_host: dict[str, int] = {}
+        for node_id, blocks in reply.by_node.items():
+            info = self._registry.get(node_id)
+            if info is not None:
+                host = _host(info.url)
+                by_host[host] = max(by_host.get(host, 0), blocks)
+        for info in self._registry.alive("prefill"):
+            local = by_host.get(_host(info.url), 0)
+            if local:
+                hits[info.instance_id] = local
+        return hits
+
+
+class StoreExistsOracle:
+    """Asks one store node (`/store/exists`) for the prefix it holds; it stands for the store."""
+
+    def __init__(self, registry: InstanceRegistry, http: httpx.AsyncClient, secret: str,
+                 timeout_s: float = 2.0) -> None:
+        self._registry = registry
+        self._http = http
+        self._headers = {**secret_headers(secret), "content-type": "application/json"}
+        self._timeout = timeout_s
+
+    def _store(self) -> InstanceInfo | None:
+        alive = self._registry.alive("store")
+        return alive[0] if alive else None
+
+    async def longest_prefix(self, keys: Sequence[str]) -> dict[str, int]:
+        """One HTTP call; a failing store means no hits (the request is still served)."""
+        store = self._store()
+        if store is None or not keys:
+            return {}
+        try:
+            response = await self._http.post(
+                f"{store.url}/store/exists", content=StoreKeys(keys=list(keys)).model_dump_json(),
+                headers=self._headers, timeout=self._timeout)
+            response.raise_for_status()
+            prefix = StoreExistsReply.model_validate_json(response.content).prefix
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("prefix lookup on store %s failed: %r", store.instance_id, exc)
+            return {}
+        return {STORE_WIDE: prefix, store.instance_id: prefix}

@@ -1,0 +1,298 @@
+"""Algorithm 1 of the paper as an `InstancePicker`: KVCache-centric placement + SLO early rejection.
+
+Per request, once: the prefix oracle says how much of the prompt is cached where; every live
+prefill instance gets a TTFT estimate (queue + transfer of the prefix it lacks + prefill of the
+rest) and every live decode instance a TBT estimate (its batch with this request in it). The
+policy picks the pair (paper Fig. 5 ablation):
+  random        any live prefill and decode instance;
+  load          the shortest prefill queue, the smallest decode batch; caches ignored;
+  cache-local   lowest TTFT counting only prefixes an instance holds locally;
+  cache-global  lowest TTFT counting the global store too: an instance that lacks the prefix
+                fetches it when that beats recomputing (cache load balancing, §4.2).
+If `--ttft-slo` / `--tbt-slo` cannot be met by the chosen pair, the request is rejected at once
+(HTTP 429 + Retry-After) instead of queueing behind work that would break its SLO.
+The plan also says what the prefill instance may reuse (`PrefillJob.reuse`): `global` (fetch the
+prefix it lacks from the store) only under cache-global when the estimate chose fetching;
+otherwise `local`, the blocks in its own prefix cache. A decode instance that refuses the request
+at admission (its KV memory or TBT would not allow it) is replaced by the next best one
+(`repick_decode`); when none is left the request gets a 429 before prefill starts.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import random
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from mooncake_server.api.backend import BackendError, GenerateRequest
+from mooncake_server.cost_model.perf_model import PerfModel
+from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.roles.conductor.scheduler.estimators import (
+    PrefillEstimate,
+    estimate_prefill,
+    estimate_tbt,
+    reusable_blocks,
+)
+from mooncake_server.roles.conductor.scheduler.load import HANDOFF_STEPS, LoadTracker
+from mooncake_server.roles.conductor.scheduler.oracle import (
+    STORE_WIDE,
+    NoPrefixOracle,
+    PrefixOracle,
+)
+from mooncake_server.wire.instances import InstanceInfo
+
+log = logging.getLogger(__name__)
+
+_MAX_RETRY_AFTER_S = 60.0
+
+
+class Policy(str, enum.Enum):
+    """How the prefill / decode pair is chosen (`--policy`; values = config.POLICIES)."""
+
+    RANDOM = "random"
+    LOAD = "load"
+    CACHE_LOCAL = "cache-local"
+    CACHE_GLOBAL = "cache-global"
+
+
+
+class SLORejected(BackendError):
+    """No instance pair can meet the SLOs: HTTP 429 with `Retry-After`, before any work."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, 429, code="slo_unattainable")
+        self.retry_after_s = retry_after_s
+
+
+class Plan(NamedTuple):
+    """Where one request runs and what the scheduler expects of it."""
+
+    store: InstanceInfo | None
+    prefill: InstanceInfo
+    decode: InstanceInfo
+    prefill_estimate: PrefillEstimate
+    tbt_s: float
+    reuse: str = "local"  # PrefillJob.reuse: local | global
+
+
+class _DecodeChoice(NamedTuple):
+    info: InstanceInfo
+    tbt_s: float
+    fits: bool  # its KV memory can hold the request now
+
+
+class KVCacheScheduler:
+    """Chooses store, prefill and decode instances per Algorithm 1; rejects early on SLOs."""
+
+    def __init__(self, registry: InstanceRegistry, model: PerfModel, *,
+                 policy: Policy | str = Policy.CACHE_GLOBAL, block_tokens: int,
+                 oracle: PrefixOracle | None = None, ttft_slo_s: float | None = None,
+                 tbt_slo_s: float | None = None, tracker: LoadTracker | None = None,
+                 rng: random.Random | None = None) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+        self.registry = registry
+        self.model = model
+        self.policy = Policy(policy)
+        self.block_tokens = block_tokens
+        self.oracle: PrefixOracle = oracle or NoPrefixOracle()
+        self.ttft_slo_s = ttft_slo_s
+        self.tbt_slo_s = tbt_slo_s
+        self.tracker = tracker or LoadTracker()
+        registry.on_register(lambda info: self.tracker.registered(info.instance_id,
+                                                                  info.incarnation))
+        self.rejected = 0
+        self._rng = rng or random.Random()
+        self._plans: dict[str, Plan] = {}
+        self._unmanaged: set[str] = set()  # planned by a bare pick_*: nobody calls release()
+
+    # ---- Algorithm 1 --------------------------------------------------------------------------
+
+    async def plan(self, request: GenerateRequest, keys: Sequence[str]) -> Plan | None:
+        """Place `request` (one oracle query), record it in the ledger; None if a role is missing.
+
+        Raises SLORejected when the SLOs cannot be met.
+        """
+        hits = await self.oracle.longest_prefix(keys) if keys else {}
+        plan = self.decide(request, hits)
+        if plan is not None:
+            self._plans[request.request_id] = plan
+            est = plan.prefill_estimate
+            # The ledger stores the uncalibrated estimate; it applies the calibration itself.
+            uncalibrated = est.compute_s / est.calibration + est.transfer_s
+            self.tracker.assign(request.request_id, est.instance_id, uncalibrated,
+                                plan.decode.instance_id, len(request.prompt_token_ids))
+        return plan
+
+    def decide(self, request: GenerateRequest, hits: dict[str, int]) -> Plan | None:
+        """The placement for `request` given prefix hits (blocks); raises SLORejected."""
+        prefills = self.registry.alive("prefill")
+        decodes = self.registry.alive("decode")
+        if not prefills or not decodes:
+            return None
+        n = len(request.prompt_token_ids)
+        estimates = [self._estimate(info, n, hits) for info in prefills]
+        choices = [self._decode_choice(info, request) for info in decodes]
+        if self.policy is Policy.RANDOM:
+            best_p = self._rng.choice(estimates)
+        elif self.policy is Policy.LOAD:
+            best_p = min(estimates, key=lambda e: (
+                e.queue_s, self.tracker.prefill_queue_len(e.instance_id), e.instance_id))
+        else:
+            best_p = min(estimates, key=lambda e: (e.ttft_s, e.instance_id))
+        best_d = self._best_decode(choices)
+        self._check_slos(request, best_p, best_d)
+        prefill = next(i for i in prefills if i.instance_id == best_p.instance_id)
+        reuse = ("global" if self.policy is Policy.CACHE_GLOBAL and best_p.fetched_tokens
+                 else "local")
+        return Plan(self._pick_store_node(hits), prefill, best_d.info, best_p, best_d.tbt_s,
+                    reuse)
+
+    def _best_decode(self, choices: list[_DecodeChoice]) -> _DecodeChoice:
+        if self.policy is Policy.RANDOM:
+            return self._rng.choice(choices)
+        if self.policy is Policy.LOAD:
+            return min(choices, key=lambda c: (
+                self.tracker.decode_load(c.info.instance_id).batch, c.info.instance_id))
+        fitting = [c for c in choices if c.fits] or choices
+        return min(fitting, key=lambda c: (c.tbt_s, c.info.instance_id))
+
+    def _estimate(self, info: InstanceInfo, prompt_tokens: int,
+                  hits: dict[str, int]) -> PrefillEstimate:
+        bt = self.block_tokens
+        cap = reusable_blocks(prompt_tokens, bt)
+        local = min(hits.get(info.instance_id, 0), cap) * bt
+        remote = min(hits.get(STORE_WIDE, 0), cap) * bt
+        if self.policy is Policy.CACHE_LOCAL:
+            remote = 0  # an instance reuses only what it holds itself
+        beat = self.registry.load(info.instance_id)
+        iid = info.instance_id
+        return estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
+                                remote_tokens=remote,
+                                queue_s=self.tracker.prefill_queue_s(iid, beat),
+                                calibration=self.tracker.calibration(iid))
+
+    def _decode_choice(self, info: InstanceInfo, request: GenerateRequest) -> _DecodeChoice:
+        beat = self.registry.load(info.instance_id)
+        load = self.tracker.decode_load(info.instance_id, beat)
+        n = len(request.prompt_token_ids)
+        step = estimate_tbt(self.model, load, n)
+        # The request's worst gap: a steady step, or its hand-off from prefill (usually the
+        # longer one, and with short outputs the one its TBT is judged on).
+        iid = info.instance_id
+        tbt = max(step * self.tracker.decode_calibration(iid),
+                  HANDOFF_STEPS * step * self.tracker.handoff_calibration(iid))
+        need = -(-(n + request.sampling.max_tokens) // self.block_tokens)
+        fits = beat is None or beat.free_blocks is None or beat.free_blocks >= need
+        return _DecodeChoice(info, tbt, fits)
+
+    def _check_slos(self, request: GenerateRequest, best_p: PrefillEstimate,
+                    best_d: _DecodeChoice) -> None:
+        problems = []
+        retry = 1.0
+        if self.ttft_slo_s is not None and best_p.ttft_s > self.ttft_slo_s:
+            problems.append(f"estimated TTFT {best_p.ttft_s:.2f} s exceeds the "
+                            f"{self.ttft_slo_s:g} s SLO (--ttft-slo)")
+            # The queue must drain by the excess before a request like this one fits.
+            retry = max(retry, best_p.ttft_s - self.ttft_slo_s)
+        if self.tbt_slo_s is not None and (best_d.tbt_s > self.tbt_slo_s or not best_d.fits):
+            what = (f"estimated TBT {best_d.tbt_s * 1000:.0f} ms exceeds the "
+                    f"{self.tbt_slo_s * 1000:g} ms SLO (--tbt-slo)" if best_d.fits
+                    else "no decode instance has KV memory for it")
+            problems.append(what)
+        if not problems:
+            return
+        self.rejected += 1
+        retry = min(_MAX_RETRY_AFTER_S, math.ceil(retry))
+        log.info("rejecting %s (%d prompt tokens): %s", request.request_id,
+                 len(request.prompt_token_ids), "; ".join(problems))
+        raise SLORejected(f"server overloaded: {'; '.join(problems)}; retry in {retry:g} s",
+                          retry)
+
+    def _pick_store_node(self, hits: dict[str, int]) -> InstanceInfo | None:
+        # The node holding the longest prefix keeps the request's blocks together; else rotate.
+        stores = self.registry.alive("store")
+        held = [(hits.get(s.instance_id, 0), s.instance_id, s) for s in stores]
+        best = max(held, key=lambda h: (h[0], h[1]), default=None)
+        if best is not None and best[0] > 0:
+            return best[2]
+        return self.registry.pick("store")
+
+    # ---- the ledger's feedback -------------------------------------------------------------------
+
+    def first_token(self, request_id: str) -> None:
+        """The request's prefill finished."""
+        self.tracker.prefill_done(request_id)
+
+    def token(self, request_id: str) -> None:
+        """The request decoded one more token (its gap calibrates the decode estimates)."""
+        decode_id = self.tracker.decode_of(request_id)
+        predicted = None
+        if decode_id is not None:
+            load = self.tracker.decode_load(decode_id)
+            predicted = self.model.decode_step_s(load.batch, load.context_tokens)
+        self.tracker.token(request_id, predicted)
+
+    def release(self, request_id: str) -> None:
+        """The request ended, whatever the outcome."""
+        self._plans.pop(request_id, None)
+        self.tracker.finished(request_id)
+
+    # ---- decode admission ---------------------------------------------------------------------
+
+    def repick_decode(self, request: GenerateRequest,
+                      refused: set[str]) -> InstanceInfo | None:
+        """The next decode instance after `refused` ones turned the request away at admission.
+
+        None when no other one is alive, or (with --tbt-slo) none is predicted to keep it.
+        """
+        decodes = [d for d in self.registry.alive("decode") if d.instance_id not in refused]
+        if not decodes:
+            return None
+        best = self._best_decode([self._decode_choice(d, request) for d in decodes])
+        if self.tbt_slo_s is not None and (best.tbt_s > self.tbt_slo_s or not best.fits):
+            return None
+        rid = request.request_id
+        plan = self._plans.get(rid)
+        if plan is not None:
+            self._plans[rid] = plan._replace(decode=best.info, tbt_s=best.tbt_s)
+        self.tracker.move_decode(rid, best.info.instance_id)
+        return best.info
+
+    def prefill_reuse(self, request: GenerateRequest) -> str:
+        """What the planned prefill instance may reuse (`PrefillJob.reuse`)."""
+        plan = self._plans.get(request.request_id)
+        return plan.reuse if plan else "global"
+
+    # ---- InstancePicker -----------------------------------------------------------------------
+
+    def _plan_for(self, request: GenerateRequest) -> Plan | None:
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            # Called without plan() first (a backend used on its own): decide without hits.
+            plan = self.decide(request, {})
+            if plan is not None:
+                self._plans[request.request_id] = plan
+                self._unmanaged.add(request.request_id)
+        return plan
+
+    def pick_store(self, request: GenerateRequest, keys: Sequence[str]) -> InstanceInfo | None:
+        """The planned store node."""
+        plan = self._plan_for(request)
+        return plan.store if plan else self.registry.pick("store")
+
+    def pick_prefill(self, request: GenerateRequest, keys: Sequence[str]) -> InstanceInfo | None:
+        """The planned prefill instance."""
+        plan = self._plan_for(request)
+        return plan.prefill if plan else None
+
+    def pick_decode(self, request: GenerateRequest) -> InstanceInfo | None:
+        """The planned decode instance (the last pick of a request)."""
+        plan = self._plan_for(request)
+        if request.request_id in self._unmanaged:
+            self._unmanaged.discard(request.request_id)
+            self._plans.pop(request.request_id, None)
+        return plan.decode if plan else None

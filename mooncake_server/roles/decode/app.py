@@ -1,0 +1,301 @@
+"""Decode role: loads a prefilled request's KV from the store and decodes it in a continuous batch.
+
+A request walks, in order:
+  blocks reserved in the local paged cache -> prompt KV read from the store (full blocks by chained
+  key, then the partial tail block, from any live replica) and checksums verified; blocks the
+  store no longer holds are left to recompute -> waiting -> running in the engine loop
+  (one token per step, sharing forward passes with every other running request) -> finished; each
+  token is streamed back to the conductor as one NDJSON line. A closed stream cancels the request and
+  frees its blocks.
+A request moved here from another decode instance (its job carries the output so far) loads every
+full block of its computed tokens the store holds and recomputes the rest before its next token.
+Every block that fills is written back to the store under its chained key (engine/writeback.py),
+so a moved request or a follow-up turn finds it. SIGTERM drains: the conductor is told to send
+nothing new, running streams finish (at most --drain-timeout), then the process exits.
+Admission control (scheduler/admission.py): the conductor reserves room before the prefill
+(POST /internal/decode/reserve); the decode job claims it; the stream's end releases it. A request
+the KV memory or predicted TBT cannot take is refused with 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException
+from fastapi.responses import StreamingResponse
+from prometheus_client import CollectorRegistry, Counter
+
+from mooncake_server.config import ServerConfig
+from mooncake_server.engine.core_budget import no_team_on_this_thread
+from mooncake_server.engine.factory import build_runner
+from mooncake_server.engine.kv_cache import OutOfBlocks
+from mooncake_server.engine.loop import EngineLoop, EngineMetrics
+from mooncake_server.engine.sequence import SeqStatus, Sequence
+from mooncake_server.instance.drain import wait_until_idle
+from mooncake_server.instance.engine_role import instance_id, internal_client, make_transfer_engine
+from mooncake_server.instance.registrar import Registrar
+from mooncake_server.roles.conductor.scheduler import load_perf_model
+from mooncake_server.roles.decode.admission import AdmissionRefused, DecodeAdmission
+from mooncake_server.roles.decode.writeback import BlockWriteBack, WriteBackLoop, WriteBackMetrics
+from mooncake_server.store_client.client import StoreError
+from mooncake_server.store_client.kv_link import KVStoreLink
+from mooncake_server.transfer import TransferError
+from mooncake_server.wire.auth import metrics_response, require_secret
+from mooncake_server.wire.instances import Heartbeat, InstanceInfo
+from mooncake_server.wire.jobs import (
+    DecodeEvent,
+    DecodeJob,
+    DecodeRelease,
+    DecodeReserve,
+    DecodeReserveReply,
+    ErrorEvent,
+)
+
+log = logging.getLogger(__name__)
+
+
+class KVLoadError(Exception):
+    """The prompt's KV could not be brought into the local cache."""
+
+
+class DecodeService:
+    """Admits decode jobs: loads their KV, hands them to the engine loop, streams their tokens."""
+
+    def __init__(self, loop: EngineLoop, link: KVStoreLink, max_model_len: int,
+                 failures: Counter, verified: Counter, recomputed: Counter) -> None:
+        self.loop = loop
+        self.kv = loop.kv
+        self.link = link
+        self.max_model_len = max_model_len
+        self.failures = failures
+        self.verified = verified
+        self.recomputed = recomputed
+        self.admission: DecodeAdmission | None = None
+        self.writeback: BlockWriteBack | None = None
+        self.streams = 0  # token streams open (a drain waits for them)
+
+    def _claim(self, job: DecodeJob) -> None:
+        """Admission: take over the job's reservation or admit it now (AdmissionRefused)."""
+        if self.admission is not None:
+            self.admission.claim(job.request_id, len(job.prompt_token_ids),
+                                 job.sampling.max_tokens)
+
+    def _release(self, request_id: str) -> None:
+        if self.admission is not None:
+            self.admission.release(request_id)
+
+    async def admit(self, job: DecodeJob) -> Sequence:
+        """Load the job's KV and queue it; raises AdmissionRefused, KVLoadError or OutOfBlocks."""
+        self._claim(job)
+        try:
+            seq = await self._load_and_submit(job)
+        except BaseException:
+            self._release(job.request_id)
+            raise
+        if self.admission is not None:
+            self.admission.bind(job.request_id, lambda: seq.status is SeqStatus.FINISHED)
+        return seq
+
+    async def _load_and_submit(self, job: DecodeJob) -> Sequence:
+        bt = self.kv.layout.block_tokens
+        n = len(job.prompt_token_ids)
+        tokens = [*job.prompt_token_ids, job.first_token, *job.generated_token_ids]
+        m = len(tokens) - 1  # tokens whose KV must be cached before the next token (n, unless moved)
+        seq = Sequence(job.request_id, tokens, n, job.sampling, self.max_model_len)
+        seq.block_ids = self.kv.allocate(self.kv.layout.blocks_for(m))
+        try:
+            keys = job.block_keys[:m // bt] + ([job.tail_key] if job.tail_key else [])
+            try:
+                got = await self.link.load(keys, seq.block_ids)
+            except StoreError as exc:
+                log.warning("loading KV of %s failed, recomputing it: %s", job.request_id, exc)
+                got = 0
+            if got and job.block_checksums:
+                sums = await self.link.checksums(seq.block_ids[:got])
+                bad = [i for i, (a, b) in enumerate(zip(sums, job.block_checksums)) if a != b]
+                if bad:
+                    raise KVLoadError(f"KV block checksum mismatch at block(s) {bad[:4]}")
+                self.verified.inc(len(sums))
+        except BaseException:
+            self.kv.free(seq.block_ids)
+            seq.block_ids = []
+            raise
+        if job.tail_key:
+            # The tail block is private to this request: drop it from the store once we hold it.
+            asyncio.create_task(self._drop_tail(job))
+        # NOTE: blocks the store lost (a dead node without replicas, a refused put) are
+        # recomputed by the engine loop as prompt chunks before the next token: never a failure.
+        seq.num_computed = min(got * bt, m)
+        if got < len(keys):
+            self.recomputed.inc(m - seq.num_computed)
+        self._track(job, seq, min(got, m // bt))
+        self.loop.submit(seq)
+        return seq
+
+    def _track(self, job: DecodeJob, seq: Sequence, stored: int) -> None:
+        """Write back the blocks that fill from here on; count a moved-in request's loaded KV."""
+        if self.writeback is None:
+            return
+        if job.generated_token_ids:
+            self.writeback.metrics.moved_in.inc()
+            self.writeback.metrics.moved_in_loaded.inc(seq.num_computed)
+        if job.kv_namespace is not None:
+            bt = self.kv.layout.block_tokens
+            self.writeback.track(seq, job.kv_namespace,
+                                 job.block_keys[:(len(seq.token_ids) - 1) // bt], stored)
+
+    async def _drop_tail(self, job: DecodeJob) -> None:
+        try:
+            await self.link.remove([job.tail_key or ""])
+        except Exception as exc:  # the store's LRU reclaims it anyway
+            log.warning("could not remove tail block %s: %s", job.tail_key, exc)
+
+    async def stream(self, seq: Sequence, first_index: int = 1) -> AsyncIterator[bytes]:
+        """NDJSON lines of DecodeEvent / ErrorEvent until the sequence finishes; the first
+        token streamed is output token `first_index`."""
+        index = first_index
+        self.streams += 1
+        try:
+            while True:
+                ev = await seq.events.get()
+                if ev is None:
+                    if seq.error:
+                        self.failures.labels("engine").inc()
+                        yield ErrorEvent(error=seq.error).model_dump_json().encode() + b"\n"
+                    return
+                token, reason, batch = ev
+                yield DecodeEvent(token_id=token, finish_reason=reason, batch_size=batch,
+                                  index=index).model_dump_json().encode() + b"\n"
+                index += 1
+        finally:
+            self.streams -= 1
+            self.loop.cancel(seq)  # no-op if finished; frees blocks if the client went away
+            self._release(seq.request_id)
+
+
+def build_app(config: ServerConfig) -> FastAPI:
+    """The decode instance's internal HTTP API."""
+    registry = CollectorRegistry()
+    engine_metrics = EngineMetrics(registry)
+    failures = Counter("mooncake_decode_failures", "Decode jobs that failed", ["stage"],
+                       registry=registry)
+    verified = Counter("mooncake_decode_kv_blocks_verified",
+                       "KV blocks read from the store whose CRC32C matched prefill's",
+                       registry=registry)
+    recomputed = Counter("mooncake_decode_recomputed_tokens",
+                         "Prompt tokens whose KV the store no longer held, recomputed here",
+                         registry=registry)
+    writeback_metrics = WriteBackMetrics(registry)
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        no_team_on_this_thread()  # the event loop samples; the forward thread computes
+        engine = make_transfer_engine(config, serve=False)
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-forward")
+        runner, info = await asyncio.to_thread(
+            build_runner, config, lambda nbytes: engine.alloc_shared("decode-kv", nbytes))
+        http = internal_client(config)
+        link = KVStoreLink(runner.kv, engine, http, config.cluster_secret,
+                           config.conductor_url or "")
+        writeback = BlockWriteBack(runner.kv, link, writeback_metrics)
+        loop = WriteBackLoop(runner, executor, engine_metrics, config.max_batch_size,
+                             config.prefill_chunk_tokens, config.decode_chunk_tokens,
+                             writeback=writeback)
+        loop.start()
+        state["service"] = service = DecodeService(loop, link, info.max_model_len, failures,
+                                                   verified, recomputed)
+        service.admission = _admission(config, runner.kv.num_blocks, info.max_model_len)
+        service.writeback = writeback
+        loop.step_observer = service.admission.observe_step
+        registrar = Registrar(
+            config.conductor_url or "", InstanceInfo(
+                instance_id=instance_id(config), role="decode", url=config.base_url,
+                model=info.name),
+            config.cluster_secret, config.heartbeat_interval_s,
+            load=lambda: Heartbeat(instance_id=instance_id(config), running=loop.load[0],
+                                   waiting=loop.load[1], free_blocks=runner.kv.num_free))
+        await registrar.start()
+        app.state.drain = partial(_drain, registrar, service, config.drain_timeout_s)
+        log.info("decode instance %s ready", instance_id(config))
+        try:
+            yield
+        finally:
+            await registrar.stop()
+            await loop.stop()
+            await writeback.close(config.transfer_timeout_s)
+            await link.aclose()
+            await http.aclose()
+            executor.shutdown(wait=True)
+            runner.cores.close()
+            engine.close()
+
+    app = FastAPI(title="mooncake-server decode", lifespan=lifespan)
+    guard = Depends(require_secret(config.cluster_secret))
+
+    @app.post("/internal/decode", dependencies=[guard])
+    async def decode(job: DecodeJob) -> StreamingResponse:
+        """Load a prefilled request and stream its remaining tokens as NDJSON."""
+        service: DecodeService = state["service"]
+        try:
+            seq = await service.admit(job)
+        except AdmissionRefused as exc:
+            failures.labels("refused").inc()
+            raise HTTPException(503, f"decode admission refused: {exc}") from exc
+        except OutOfBlocks as exc:
+            failures.labels("no_kv_memory").inc()
+            raise HTTPException(503, f"decode KV cache full: {exc}") from exc
+        except (KVLoadError, StoreError, TransferError) as exc:
+            failures.labels("kv_load").inc()
+            raise HTTPException(503, f"loading KV from the store failed: {exc}") from exc
+        return StreamingResponse(service.stream(seq, 1 + len(job.generated_token_ids)),
+                                 media_type="application/x-ndjson")
+
+    @app.post("/internal/decode/reserve", dependencies=[guard])
+    async def reserve(body: DecodeReserve) -> DecodeReserveReply:
+        """Admission before prefill: hold room for a request, or 503 if KV / TBT do not allow."""
+        admission: DecodeAdmission = state["service"].admission
+        try:
+            admission.reserve(body.request_id, body.prompt_tokens, body.max_tokens)
+        except AdmissionRefused as exc:
+            failures.labels("refused").inc()
+            raise HTTPException(503, f"decode admission refused: {exc}") from exc
+        return DecodeReserveReply(ttl_s=admission.ttl_s)
+
+    @app.post("/internal/decode/release", dependencies=[guard])
+    async def release(body: DecodeRelease) -> dict[str, bool]:
+        """Drop a reservation whose decode job will not come."""
+        state["service"].admission.release(body.request_id)
+        return {"released": True}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness."""
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def get_metrics():
+        """Prometheus metrics."""
+        return metrics_response(registry)
+
+    return app
+
+
+async def _drain(registrar: Registrar, service: DecodeService, timeout_s: float) -> None:
+    """SIGTERM: the conductor sends nothing new; running streams finish (bounded)."""
+    await registrar.drain()
+    await wait_until_idle(lambda: service.streams > 0 or any(service.loop.load), timeout_s,
+                          "decode streams")
+
+
+def _admission(config: ServerConfig, total_blocks: int, max_model_len: int) -> DecodeAdmission:
+    """Admission control over this instance's pool; TBT checked only with --tbt-slo."""
+    model = load_perf_model(config) if config.tbt_slo_s is not None else None
+    return DecodeAdmission(total_blocks, config.block_tokens, max_model_len, model=model,
+                           tbt_slo_s=config.tbt_slo_s)

@@ -1,0 +1,64 @@
+"""A prefill instance's reports of its local prefix cache to the conductor.
+
+The stream walks: snapshot (on the first report, and whenever the conductor answers `resync`)
+-> deltas (keys added and evicted since the last accepted report) -> ... Changes a report could
+not deliver are kept for the next one, so a failed POST delays the view, never corrupts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import httpx
+
+from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
+from mooncake_server.wire.auth import secret_headers
+from mooncake_server.wire.jobs import PrefillCacheReport, PrefillCacheReportReply
+
+log = logging.getLogger(__name__)
+
+
+class CacheReporter:
+    """Posts one instance's cache changes to {conductor}/internal/prefill-cache/report."""
+
+    def __init__(self, conductor_url: str, instance_id: str, secret: str,
+                 cache: LocalPrefixCache, http: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
+        self._url = conductor_url.rstrip("/") + "/internal/prefill-cache/report"
+        self._headers = {**secret_headers(secret), "content-type": "application/json"}
+        self.instance_id = instance_id
+        self.epoch = uuid.uuid4().hex
+        self._cache = cache
+        self._http = http
+        self._timeout = timeout_s
+        self._seq = 0
+        self._need_snapshot = True
+
+    async def flush(self) -> bool:
+        """Send what changed (or a snapshot); True when the conductor took it."""
+        added, removed = self._cache.take_changes()
+        snapshot = self._need_snapshot
+        if snapshot:
+            added, removed = self._cache.keys(), []
+        elif not added and not removed:
+            return True
+        report = PrefillCacheReport(instance_id=self.instance_id, epoch=self.epoch,
+                                    seq=self._seq + 1, snapshot=snapshot, added=added,
+                                    removed=removed)
+        try:
+            r = await self._http.post(self._url, content=report.model_dump_json(),
+                                      headers=self._headers, timeout=self._timeout)
+            r.raise_for_status()
+            reply = PrefillCacheReportReply.model_validate_json(r.content)
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("prefix cache report failed (kept for the next one): %r", exc)
+            if not snapshot:
+                self._cache.restore_changes(added, removed)
+            return False
+        if reply.accepted:
+            self._seq += 1
+            self._need_snapshot = False
+            return True
+        # The conductor lost track (it restarted, or missed a report): resend everything.
+        self._need_snapshot = True
+        return await self.flush() if reply.resync and not snapshot else False

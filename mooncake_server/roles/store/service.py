@@ -1,0 +1,123 @@
+"""The store node's control API as typed calls, served twice: over the binary RPC channel (the
+fast path every StoreClient uses) and as HTTP routes (operators, curl, older clients).
+
+Every call only moves metadata; the bytes go through the transfer engine. All calls run on the
+store role's event loop, which serialises access to the object table.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable
+
+from pydantic import BaseModel
+
+from mooncake_server.roles.store.node import StoreNode
+from mooncake_server.roles.store.objects import GetResult
+from mooncake_server.wire.rpc import Call, Handler, RpcUnavailable, json_handler
+from mooncake_server.wire.store_ops import (
+    StoreExistsReply,
+    StoreGet,
+    StoreGetReply,
+    StoreKeys,
+    StorePutEnd,
+    StorePutEndReply,
+    StorePutStart,
+    StorePutStartReply,
+    StoreRelease,
+    StoreReleaseReply,
+    StoreRemoveReply,
+)
+
+
+class StoreOp(enum.IntEnum):
+    """RPC op codes of the store's control API."""
+
+    PUT_START = 1
+    PUT_END = 2
+    PUT_ABORT = 3
+    GET = 4
+    RELEASE = 5
+    EXISTS = 6
+    REMOVE = 7
+
+
+class StoreService:
+    """put_start / put_end / put_abort / get / release / exists / remove on one node."""
+
+    def __init__(self, node: Callable[[], StoreNode | None]) -> None:
+        """`node` returns the running node, or None while the role starts or stops."""
+        self._node = node
+
+    def node(self) -> StoreNode:
+        """The running node; RpcUnavailable while there is none."""
+        node = self._node()
+        if node is None:
+            raise RpcUnavailable("store is starting")
+        return node
+
+    def put_start(self, body: StorePutStart) -> StorePutStartReply:
+        """Reserve space for new keys."""
+        res = self.node().put_start(body.keys, body.sizes)
+        return StorePutStartReply(offsets=res.offsets, refused=res.refused)
+
+    def put_end(self, body: StorePutEnd) -> StorePutEndReply:
+        """Commit written keys with their checksums."""
+        return StorePutEndReply(committed=self.node().put_end(body.keys, body.checksums))
+
+    def put_abort(self, body: StoreKeys) -> StoreRemoveReply:
+        """Free reservations whose write failed."""
+        return StoreRemoveReply(removed=self.node().put_abort(body.keys))
+
+    def get(self, body: StoreGet) -> StoreGetReply | Awaitable[StoreGetReply]:
+        """Lease the leading held keys (sparse: all held keys) and say where their bytes are;
+        answers at once unless a key must first be read back from SSD."""
+        node = self.node()
+        res = node.get_now(body.keys, body.lease_s, sparse=body.sparse)
+        if res is not None:
+            return _get_reply(body, res)
+        return self._get_later(node, body)
+
+    async def _get_later(self, node: StoreNode, body: StoreGet) -> StoreGetReply:
+        return _get_reply(body, await node.get(body.keys, body.lease_s, sparse=body.sparse))
+
+    def release(self, body: StoreRelease) -> StoreReleaseReply:
+        """End a get's lease."""
+        return StoreReleaseReply(released=self.node().release(body.lease_id))
+
+    def exists(self, body: StoreKeys) -> StoreExistsReply:
+        """Per key presence and the leading run held."""
+        flags, prefix = self.node().exists(body.keys)
+        return StoreExistsReply(exists=flags, prefix=prefix)
+
+    def remove(self, body: StoreKeys) -> StoreRemoveReply:
+        """Remove keys from both tiers."""
+        return StoreRemoveReply(removed=self.node().remove(body.keys))
+
+    def calls(self) -> dict[StoreOp, tuple[type[BaseModel], Call]]:
+        """Each op's request type and method."""
+        return {
+            StoreOp.PUT_START: (StorePutStart, self.put_start),
+            StoreOp.PUT_END: (StorePutEnd, self.put_end),
+            StoreOp.PUT_ABORT: (StoreKeys, self.put_abort),
+            StoreOp.GET: (StoreGet, self.get),
+            StoreOp.RELEASE: (StoreRelease, self.release),
+            StoreOp.EXISTS: (StoreKeys, self.exists),
+            StoreOp.REMOVE: (StoreKeys, self.remove),
+        }
+
+    def rpc_handlers(self) -> dict[int, Handler]:
+        """The ops as RPC handlers: JSON payload in, JSON reply out."""
+        return {int(op): json_handler(model, method)
+                for op, (model, method) in self.calls().items()}
+
+
+def _get_reply(body: StoreGet, res: GetResult) -> StoreGetReply:
+    objs = res.objects
+    present: list[bool] = []
+    if body.sparse:
+        found = {o.key for o in objs}
+        present = [k in found for k in body.keys]
+    return StoreGetReply(lease_id=res.lease_id, found=len(objs),
+                         offsets=[o.offset for o in objs], sizes=[o.size for o in objs],
+                         checksums=[o.checksum or 0 for o in objs], present=present)

@@ -1,0 +1,206 @@
+"""StoreCluster: put / get / exists / remove of blocks across every store node, via the index.
+
+  get:  locate (the conductor's global index: live replicas per key, DRAM first) -> per node, one
+        sparse get of the keys it was picked for, all nodes in parallel -> keys whose node failed
+        or lacked them move to their next replica -> the leading run of blocks that arrived.
+  put:  place (consistent hashing, K targets per key) -> per node, one put of its keys, in
+        parallel -> a key is stored when at least one replica committed it. A node that failed
+        is skipped for a few seconds so a dead node costs one timeout, not one per call.
+Bytes move only through the transfer engine (StoreClient); the index only answers where.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from mooncake_server.store_client.client import StoreClient, StoreError
+from mooncake_server.transfer import TransferEngine
+from mooncake_server.wire.auth import secret_headers
+from mooncake_server.wire.index import (
+    StoreLocate,
+    StoreLocateReply,
+    StorePlaceReply,
+    StorePrefixReply,
+)
+from mooncake_server.wire.instances import StoreLocation
+from mooncake_server.wire.store_ops import StoreKeys
+
+logger = logging.getLogger(__name__)
+
+_Reply = TypeVar("_Reply", bound=BaseModel)
+_SUSPECT_S = 5.0  # how long a node that just failed is tried only as a last resort
+
+
+class StoreUnavailable(StoreError):
+    """No live store node could take a put: the caller keeps (or recomputes) the blocks."""
+
+
+class StoreCluster:
+    """Every store node as one object store, steered by the conductor's global index."""
+
+    def __init__(self, master_url: str, engine: TransferEngine, http: httpx.AsyncClient,
+                 secret: str, *, clock: Callable[[], float] = time.monotonic) -> None:
+        """Ask the index at `master_url` (the conductor); `engine` and `http` are the caller's."""
+        self._master = master_url.rstrip("/") + "/internal/store"
+        self._engine = engine
+        self._http = http
+        self._secret = secret
+        self._headers = {**secret_headers(secret), "content-type": "application/json"}
+        self._clients: dict[str, StoreClient] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._suspect: dict[str, float] = {}
+        self._clock = clock
+
+    def client(self, loc: StoreLocation) -> StoreClient:
+        """The (cached) client of one node; re-created if the node moved."""
+        c = self._clients.get(loc.instance_id)
+        if c is None or c.location != loc:
+            if c is not None:
+                closing = asyncio.create_task(c.aclose())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
+            c = StoreClient(loc, self._engine, self._http, self._secret)
+            self._clients[loc.instance_id] = c
+        return c
+
+    async def aclose(self) -> None:
+        """Close every node client (their control connections)."""
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*self._closing, *(c.aclose() for c in clients),
+                             return_exceptions=True)
+
+    async def prefix_hits(self, keys: list[str]) -> int:
+        """Leading keys held by some live node (one call to the index)."""
+        if not keys:
+            return 0
+        reply = await self._ask("/prefix", StoreKeys(keys=keys), StorePrefixReply)
+        return reply.prefix
+
+    async def place(self, keys: list[str]) -> StorePlaceReply:
+        """Where new keys go: K target nodes per key (one call to the index)."""
+        return await self._ask("/place", StoreKeys(keys=keys), StorePlaceReply)
+
+    async def get(self, keys: list[str], addrs: list[int], sizes: list[int], *,
+                  fallback: bool = True) -> int:
+        """Read the leading blocks any live replica holds; return how many arrived.
+
+        `fallback` also tries the ring targets of keys the index does not list yet (a reader
+        right behind a writer); without it a key the index lacks ends the run at once.
+        """
+        if not len(keys) == len(addrs) == len(sizes):
+            raise ValueError("get: keys, addrs and sizes must have the same length")
+        if not keys:
+            return 0
+        where = await self._ask("/locate", StoreLocate(keys=keys, fallback=fallback),
+                                StoreLocateReply)
+        run = next((i for i, r in enumerate(where.replicas) if not r), len(keys))
+        options = [self._order([r.node_id for r in where.replicas[i]]) for i in range(run)]
+        got = [False] * run
+        tried = [0] * run
+        while True:
+            groups: dict[str, list[int]] = {}
+            for i in range(run):
+                if not got[i] and tried[i] < len(options[i]):
+                    groups.setdefault(options[i][tried[i]], []).append(i)
+            if not groups:
+                break
+            results = await asyncio.gather(*[
+                self._get_from(where.nodes[node], idx, keys, addrs, sizes)
+                for node, idx in groups.items()])
+            for idx, arrived in zip(groups.values(), results):
+                for i, ok in zip(idx, arrived):
+                    got[i] = ok
+                    tried[i] += 1
+            # Keys after one that no replica could give are of no use: stop asking for them.
+            run = next((i for i in range(run) if not got[i] and tried[i] >= len(options[i])), run)
+        return next((i for i in range(run) if not got[i]), run)
+
+    async def put(self, keys: list[str], addrs: list[int], sizes: list[int],
+                  checksums: list[int]) -> list[bool]:
+        """Write blocks to their K nodes; per key whether at least one replica holds it.
+
+        Raises StoreUnavailable when no live store node exists at all.
+        """
+        if not len(keys) == len(addrs) == len(sizes) == len(checksums):
+            raise ValueError("put: keys, addrs, sizes and checksums must have the same length")
+        if not keys:
+            return []
+        place = await self._ask("/place", StoreKeys(keys=keys), StorePlaceReply)
+        if not place.nodes:
+            raise StoreUnavailable(f"no live store node can take {len(keys)} blocks")
+        groups: dict[str, list[int]] = {}
+        for i, targets in enumerate(place.targets):
+            for node in targets:
+                groups.setdefault(node, []).append(i)
+        results = await asyncio.gather(*[
+            self._put_to(place.nodes[node], idx, keys, addrs, sizes, checksums)
+            for node, idx in groups.items()])
+        stored = [False] * len(keys)
+        for idx, ok in zip(groups.values(), results):
+            for i, s in zip(idx, ok):
+                stored[i] = stored[i] or s
+        return stored
+
+    async def remove(self, keys: list[str]) -> None:
+        """Remove keys from every node that holds them (best effort per node)."""
+        if not keys:
+            return
+        where = await self._ask("/locate", StoreLocate(keys=keys), StoreLocateReply)
+        groups: dict[str, list[str]] = {}
+        for key, reps in zip(keys, where.replicas):
+            for r in reps:
+                groups.setdefault(r.node_id, []).append(key)
+        results = await asyncio.gather(*[self.client(where.nodes[n]).remove(ks)
+                                         for n, ks in groups.items()], return_exceptions=True)
+        for node, res in zip(groups, results):
+            if isinstance(res, Exception):
+                logger.warning("removing %d keys from store %s failed: %s",
+                               len(groups[node]), node, res)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _order(self, nodes: Sequence[str]) -> list[str]:
+        """Replicas in the index's order, nodes that failed recently last."""
+        now = self._clock()
+        return sorted(nodes, key=lambda n: self._suspect.get(n, 0.0) > now)
+
+    def _failed(self, node: str, exc: Exception) -> None:
+        logger.warning("store node %s failed: %s", node, exc)
+        self._suspect[node] = self._clock() + _SUSPECT_S
+
+    async def _get_from(self, loc: StoreLocation, idx: list[int], keys: list[str],
+                        addrs: list[int], sizes: list[int]) -> list[bool]:
+        try:
+            return await self.client(loc).get_any([keys[i] for i in idx],
+                                                  [addrs[i] for i in idx],
+                                                  [sizes[i] for i in idx])
+        except StoreError as exc:
+            self._failed(loc.instance_id, exc)
+            return [False] * len(idx)
+
+    async def _put_to(self, loc: StoreLocation, idx: list[int], keys: list[str],
+                      addrs: list[int], sizes: list[int], checksums: list[int]) -> list[bool]:
+        try:
+            return await self.client(loc).put([keys[i] for i in idx], [addrs[i] for i in idx],
+                                              [sizes[i] for i in idx],
+                                              [checksums[i] for i in idx])
+        except StoreError as exc:
+            self._failed(loc.instance_id, exc)
+            return [False] * len(idx)
+
+    async def _ask(self, path: str, body: BaseModel, reply_type: type[_Reply]) -> _Reply:
+        url = self._master + path
+        try:
+            r = await self._http.post(url, content=body.model_dump_json(), headers=self._headers)
+        except httpx.HTTPError as exc:
+            raise StoreError(f"store index unreachable at {url}: {exc!r}") from exc
+        if r.status_code != 200:
+            raise StoreError(f"store index {path} failed: HTTP {r.status_code}: {r.text[:300]}")
+        return reply_type.model_validate_json(r.content)

@@ -1,0 +1,135 @@
+"""Jobs the conductor sends to prefill and decode instances, and what comes back (HTTP JSON).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from mooncake_server.wire.instances import StoreLocation
+
+# What a prefill may reuse: its local cache only, local + the store, or nothing (recompute).
+Reuse = Literal["local", "global", "none"]
+
+class SamplingParams(BaseModel):
+    """How to pick the next token; temperature 0 means greedy."""
+
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    ignore_eos: bool = False
+    eos_token_ids: list[int] = Field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Conductor -> prefill
+
+
+class PrefillJob(BaseModel):
+    """Prefill this prompt: reuse cached prefix blocks, compute the rest, store new blocks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_keys: list[str]  # chained keys of the prompt's full blocks
+    sampling: SamplingParams
+    store: StoreLocation
+    # Which cached prefix the instance may reuse (the conductor's policy decides):
+    # "local" = only blocks in its own paged pool, "global" = also fetch the rest of the cached
+    # prefix from the store, "none" = compute every token.
+    reuse: Reuse = "global"
+
+
+class PrefillResult(BaseModel):
+    """Outcome of a prefill: the first output token and where the prompt's KV now lives."""
+
+    request_id: str
+    first_token: int
+    cached_tokens: int  # prompt tokens whose KV came from the store instead of compute
+    tail_key: str | None  # store key of the partial last block (None if the prompt fills blocks)
+    block_checksums: list[int]  # CRC32C of each full block, then the tail, in key order
+    prefill_seconds: float
+    local_cached_tokens: int = 0  # of cached_tokens, those found in the instance's own cache
+
+
+class PrefillCacheReport(BaseModel):
+    """A prefill instance's local prefix cache: changes since its last report, or everything."""
+
+    instance_id: str
+    epoch: str  # new each time the instance starts: its old state is void
+    seq: int = Field(ge=0)
+    snapshot: bool = False
+    added: list[str] = Field(default_factory=list)
+    removed: list[str] = Field(default_factory=list)
+
+
+class PrefillCacheReportReply(BaseModel):
+    """resync = the conductor does not know this epoch (or missed a report): send a snapshot."""
+
+    accepted: bool
+    resync: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Conductor -> decode
+
+
+class DecodeJob(BaseModel):
+    """Load the prompt's KV from the store and decode, streaming tokens back."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int
+    block_keys: list[str]
+    tail_key: str | None
+    block_checksums: list[int]
+    sampling: SamplingParams
+    store: StoreLocation
+    # A moved request (migration): output tokens after `first_token` the client already has;
+    # `block_keys` then names every full block of the computed tokens, not only the prompt's.
+    generated_token_ids: list[int] = Field(default_factory=list)
+    # Namespace of the chained keys, so the decode instance can key the blocks it writes back.
+    kv_namespace: str | None = None
+
+
+class DecodeReserve(BaseModel):
+    """Ask a decode instance, before prefill starts, to hold room for a request (admission)."""
+
+    request_id: str
+    prompt_tokens: int = Field(ge=0)
+    max_tokens: int = Field(ge=1)
+
+
+class DecodeReserveReply(BaseModel):
+    """The request is admitted; its decode job must arrive within `ttl_s`."""
+
+    ttl_s: float
+
+
+class DecodeRelease(BaseModel):
+    """Drop a reservation whose decode job will not come (the request ended at prefill)."""
+
+    request_id: str
+
+
+class DecodeEvent(BaseModel):
+    """One line of the decode stream (NDJSON): a token, and the reason if it is the last."""
+
+    token_id: int
+    finish_reason: str | None = None  # "stop" (EOS) | "length"
+    batch_size: int = 1  # size of the forward pass that produced it
+    # Position of the token in the output (the prefill's first token is 0): the conductor drops
+    # a token it already passed on, so a moved request never repeats one.
+    index: int | None = None
+
+
+class ErrorEvent(BaseModel):
+    """A decode stream line reporting a failure instead of a token."""
+
+    error: str

@@ -1,0 +1,313 @@
+"""Roles started one by one as OS processes, each killable, stoppable and restartable on its own
+port and instance id (fault tests, soak and overload runs). Optionally inside a network
+namespace (`ip netns exec`), listening on that namespace's address.
+
+`--role all` runs one instance per role on fixed port offsets; a cluster with two decode or
+store instances, or with a role that must die and come back, is built here instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from mooncake_server.wire.auth import SECRET_HEADER
+from mooncake_testkit.launcher import STARTUP_TIMEOUT_S, free_port_block
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+_POLL_S = 0.2
+
+
+@dataclass
+class RoleProc:
+    """One `python -m mooncake_server --role ROLE` process."""
+
+    role: str
+    name: str  # its instance id
+    host: str
+    port: int
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path | None = None
+    netns: str | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Its HTTP base URL."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """Process id of the running role (raises if it is not running)."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} is not running")
+        return self.proc.pid
+
+    def start(self) -> RoleProc:
+        """Spawn the process (again, after a kill or stop: same port, same instance id)."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"{self.name} is already running")
+        argv = (["ip", "netns", "exec", self.netns] if self.netns else []) + self.argv
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(argv, env=self.env, start_new_session=True,
+                                         stdout=out, stderr=subprocess.STDOUT)
+        finally:
+            if self.log_path:
+                out.close()  # type: ignore[union-attr]
+        return self
+
+    def running(self) -> bool:
+        """True while the process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        """True once the process answers /health with 200 (raises if it exited)."""
+        if not self.running():
+            code = self.proc.returncode if self.proc else None
+            raise RuntimeError(f"{self.name} exited (code {code})")
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def signal(self, sig: int) -> None:
+        """Send a signal (SIGKILL, SIGTERM, SIGSTOP, SIGCONT...)."""
+        if self.running():
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        """Wait for the process to exit; its exit code."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self.proc.wait(timeout=timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL and reap."""
+        if self.running():
+            self.signal(signal.SIGCONT)  # a stopped process must be able to die
+            self.signal(signal.SIGKILL)
+            self.wait()
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (a graceful drain), then SIGKILL after `timeout_s`; the exit code."""
+        if not self.running():
+            return self.proc.returncode if self.proc else None
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            return self.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.returncode if self.proc else None
+
+    def memory(self) -> dict[str, int]:
+        """Resident memory now, bytes: `rss` in all, `anon` private (heap: where leaks show),
+        `shmem` shared (the KV pool, resident as its pages are first used)."""
+        fields = {"VmRSS:": "rss", "RssAnon:": "anon", "RssShmem:": "shmem"}
+        out = {}
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            key = line.split(maxsplit=1)[0] if line else ""
+            if key in fields:
+                out[fields[key]] = int(line.split()[1]) * 1024
+        return out
+
+
+@dataclass
+class RoleCluster:
+    """A conductor and any number of store, prefill and decode instances, one process each."""
+
+    log_dir: Path | None = None
+    common: list[str] = field(default_factory=list)  # flags every role gets
+    secret: str = field(default_factory=lambda: secrets.token_hex(16))
+    procs: dict[str, RoleProc] = field(default_factory=dict)
+    conductor_url: str = ""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers internal endpoints accept."""
+        return {SECRET_HEADER: self.secret}
+
+    def add(self, role: str, name: str, *extra: str, host: str = "127.0.0.1",
+            netns: str | None = None, port: int | None = None,
+            advertise: str | None = None) -> RoleProc:
+        """Declare one role process (the conductor first); start it with `start()`.
+
+        It listens on `host` (inside `netns` if given); others reach it at `advertise` (else
+        `host`).
+        """
+        if role != "conductor" and not self.conductor_url:
+            raise ValueError("add the conductor first")
+        port = port or free_port_block(1)
+        reach = advertise or host
+        argv = [sys.executable, "-m", "mooncake_server", "--role", role, "--host", host,
+                "--port", str(port), "--dtype", "float32", *self.common, *extra]
+        if advertise:
+            argv += ["--advertise-host", advertise]
+        if role == "conductor":
+            self.conductor_url = f"http://{reach}:{port}"
+        else:
+            argv += ["--conductor-url", self.conductor_url, "--instance-id", name]
+        env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": self.secret}
+        log = self.log_dir / f"{name}.log" if self.log_dir else None
+        proc = RoleProc(role, name, reach, port, argv, env, log, netns)
+        self.procs[name] = proc
+        return proc
+
+    def __getitem__(self, name: str) -> RoleProc:
+        return self.procs[name]
+
+    @property
+    def url(self) -> str:
+        """The conductor's base URL (the public API)."""
+        return self.conductor_url
+
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> RoleCluster:
+        """Start every declared process and wait until each instance is registered."""
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        for proc in self.procs.values():
+            proc.start()
+        self.wait_registered([n for n, p in self.procs.items() if p.role != "conductor"],
+                             timeout_s)
+        return self
+
+    def instances(self) -> list[dict[str, Any]]:
+        """The conductor's view of every instance (GET /internal/instances)."""
+        r = httpx.get(self.url + "/internal/instances", headers=self.headers, timeout=5)
+        r.raise_for_status()
+        return list(r.json())
+
+    def wait_registered(self, names: list[str], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Wait until each named process serves (its start-up, registration included, is done)
+        and the conductor sees it alive and not draining.
+
+        NOTE: the process check matters after a restart: the conductor may still count the
+        killed process alive for a heartbeat timeout.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = [n for n in names if self.procs[n].running()]
+        while pending:
+            pending = [n for n in pending if not self.procs[n].healthy()]
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"{pending} not serving within {timeout_s:.0f} s")
+            if pending:
+                time.sleep(_POLL_S)
+        while True:
+            dead = [p.name for p in self.procs.values()
+                    if p.proc is not None and p.proc.poll() is not None and p.name in names]
+            if dead:
+                raise RuntimeError(f"{', '.join(dead)} exited during start-up "
+                                   f"(logs in {self.log_dir})")
+            try:
+                live = {s["info"]["instance_id"] for s in self.instances()  # type: ignore[index]
+                        if s["alive"] and not s.get("draining")}
+                if set(names) <= live:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{names} not registered within {timeout_s:.0f} s")
+            time.sleep(_POLL_S)
+
+    def metrics(self, name: str) -> str:
+        """A role's /metrics text."""
+        proc = self.procs[name]
+        return httpx.get(proc.url + "/metrics", headers=self.headers, timeout=10).text
+
+    def free_blocks(self, settle_s: float = 2.0) -> dict[str, int]:
+        """Free KV blocks of each decode instance when idle: the most it reports over
+        `settle_s` (heartbeats lag, write-backs finish)."""
+        out: dict[str, int] = {}
+        deadline = time.monotonic() + settle_s
+        while True:
+            for status in self.instances():
+                load = status.get("load") or {}
+                info = status["info"]
+                if info["role"] == "decode" and load.get("free_blocks") is not None:
+                    name = info["instance_id"]
+                    out[name] = max(out.get(name, 0), int(load["free_blocks"]))
+            if time.monotonic() > deadline:
+                return out
+            time.sleep(_POLL_S)
+
+    def leftovers(self, idle_free_blocks: dict[str, int]) -> dict[str, float]:
+        """What is still held anywhere; all zero once the cluster is idle and leaks nothing.
+
+        Requests in the conductor (its request table, the scheduler's placements, the API's
+        open streams), leases (pinned blocks) and write reservations in the store nodes,
+        running sequences, write-back pins and KV blocks missing from each decode instance's
+        free pool (against `idle_free_blocks`, its count when idle).
+        """
+        out: dict[str, float] = {}
+        for name, proc in self.procs.items():
+            if not proc.running():
+                continue
+            text = self.metrics(name)
+            names = {"conductor": ["mooncake_conductor_requests_running",
+                                   "mooncake_scheduler_in_flight",
+                                   "mooncake_api_requests_running"],
+                     "store": ["mooncake_store_active_leases", "mooncake_store_writing_objects"],
+                     "decode": ["mooncake_decode_writeback_held_blocks"]}.get(proc.role, [])
+            for metric in names:
+                found = re.search(rf"^{metric} (\S+)$", text, re.MULTILINE)
+                out[f"{name}:{metric}"] = float(found.group(1)) if found else 0.0
+        for status in self.instances():
+            info, load = status["info"], status.get("load") or {}
+            if info["role"] == "decode" and info["instance_id"] in idle_free_blocks:
+                out[f"{info['instance_id']}:running"] = load.get("running", 0) + load.get(
+                    "waiting", 0)
+                out[f"{info['instance_id']}:blocks_in_use"] = (
+                    idle_free_blocks[info["instance_id"]] - load.get("free_blocks", 0))
+        return out
+
+    def wait_idle(self, idle_free_blocks: dict[str, int], timeout_s: float = 60.0
+                  ) -> dict[str, float]:
+        """Poll `leftovers` until all zero (returned), or return what is left at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = {k: v for k, v in self.leftovers(idle_free_blocks).items() if v}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(_POLL_S)
+
+    def memory(self) -> dict[str, dict[str, int]]:
+        """`RoleProc.memory` of every running role, by name."""
+        return {n: p.memory() for n, p in self.procs.items() if p.running()}
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop every process: SIGTERM, then SIGKILL for what still runs after `timeout_s` in
+        all, or at once if the wait is interrupted (a test timeout): none is left behind."""
+        try:
+            for proc in reversed(list(self.procs.values())):
+                if proc.running():
+                    proc.signal(signal.SIGCONT)
+                    proc.signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for proc in self.procs.values():
+                if proc.running():
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(max(0.1, deadline - time.monotonic()))
+        finally:
+            for proc in self.procs.values():
+                proc.kill()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
