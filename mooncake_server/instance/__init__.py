@@ -1,0 +1,1 @@
+"""What every instance process (prefill, decode, store) shares: registration, draining, heap, engine set-up."""

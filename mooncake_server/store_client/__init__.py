@@ -1,0 +1,1 @@
+"""How engine roles reach the store: one node (StoreClient), all nodes (StoreCluster), a paged cache's blocks (KVStoreLink)."""

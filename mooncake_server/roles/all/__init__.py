@@ -1,0 +1,1 @@
+"""`--role all`: the supervisor that runs conductor, store, prefill and decode as child processes."""

@@ -1,0 +1,1 @@
+"""The colocated baseline process: one engine prefills and decodes, no store hop."""

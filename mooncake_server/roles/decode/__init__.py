@@ -1,0 +1,1 @@
+"""The decode process: KV from the store -> continuous-batch decoding; admission and write-back."""

@@ -1,0 +1,1 @@
+"""The prefill process: prompt -> KV blocks in the store + first token; local prefix cache."""
