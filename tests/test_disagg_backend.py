@@ -1,4 +1,4 @@
-"""DisaggregatedBackend against scripted prefill / decode / store peers (an httpx transport)."""
+"""RequestPath against scripted prefill / decode / store peers (an httpx transport)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from mooncake_server.api.backend import BackendError, GenerateRequest, TokenEven
 from mooncake_server.block_keys import block_keys
 from mooncake_server.config import ServerConfig
 from mooncake_server.roles.conductor.registry import InstanceRegistry
-from mooncake_server.roles.conductor.request_path import DisaggregatedBackend
+from mooncake_server.roles.conductor.request_path import RequestPath
+from mooncake_server.roles.conductor.scheduler import build_scheduler
+from mooncake_server.roles.conductor.store_index.master import StoreMaster
 from mooncake_server.wire.instances import InstanceInfo
 from mooncake_server.wire.jobs import DecodeJob, PrefillJob, PrefillResult, SamplingParams
 
@@ -84,6 +86,13 @@ def decode_lines(tokens: list[int], last: str = "stop") -> list[str]:
             for i, t in enumerate(tokens)]
 
 
+def request_path(config: ServerConfig, registry: InstanceRegistry,
+                 http: httpx.AsyncClient) -> RequestPath:
+    """The conductor's request path as its app wires it (scheduler over the store index)."""
+    master = StoreMaster(registry, config.store_replicas, config.cluster_secret)
+    return RequestPath(config, registry, http, build_scheduler(config, registry, master), master)
+
+
 @pytest.fixture
 def registry() -> InstanceRegistry:
     reg = InstanceRegistry(heartbeat_timeout_s=30)
@@ -100,11 +109,11 @@ def peers() -> Peers:
 
 
 @pytest.fixture
-async def backend(registry: InstanceRegistry, peers: Peers) -> AsyncIterator[DisaggregatedBackend]:
+async def backend(registry: InstanceRegistry, peers: Peers) -> AsyncIterator[RequestPath]:
     config = ServerConfig(role="conductor", block_tokens=4, cluster_secret=SECRET,
                           failover_wait_s=0.5)
     async with httpx.AsyncClient(transport=peers) as http:
-        yield DisaggregatedBackend(config, registry, http)
+        yield request_path(config, registry, http)
 
 
 def request(n_prompt: int = 10, max_tokens: int = 8, ignore_eos: bool = False) -> GenerateRequest:
@@ -112,11 +121,11 @@ def request(n_prompt: int = 10, max_tokens: int = 8, ignore_eos: bool = False) -
     return GenerateRequest("req-1", list(range(100, 100 + n_prompt)), sampling)
 
 
-async def collect(backend: DisaggregatedBackend, req: GenerateRequest) -> list[TokenEvent]:
+async def collect(backend: RequestPath, req: GenerateRequest) -> list[TokenEvent]:
     return [event async for event in backend.generate(req)]
 
 
-async def test_prefill_then_decode(backend: DisaggregatedBackend, peers: Peers) -> None:
+async def test_prefill_then_decode(backend: RequestPath, peers: Peers) -> None:
     peers.decode_lines = decode_lines([7, 8, EOS])
     events = await collect(backend, request())
     assert [(e.token_id, e.finish_reason) for e in events] == [
@@ -125,7 +134,6 @@ async def test_prefill_then_decode(backend: DisaggregatedBackend, peers: Peers) 
     prefill, decode = peers.prefill_jobs[0], peers.decode_jobs[0]
     assert prefill.block_keys == block_keys(list(range(100, 110)), 4, backend.namespace)
     assert len(prefill.block_keys) == 2  # 10 tokens = 2 full blocks of 4 + a tail
-    assert prefill.store.segment == "seg" and prefill.store.instance_id == "s1"
     assert (decode.first_token, decode.tail_key, decode.block_keys) == (
         42, "tail-key", prefill.block_keys)
     assert decode.block_checksums == [1, 2]
@@ -134,7 +142,7 @@ async def test_prefill_then_decode(backend: DisaggregatedBackend, peers: Peers) 
 
 
 @pytest.mark.parametrize("role", ["store", "prefill", "decode"])
-async def test_missing_role_is_503(backend: DisaggregatedBackend, registry: InstanceRegistry,
+async def test_missing_role_is_503(backend: RequestPath, registry: InstanceRegistry,
                                    role: str) -> None:
     registry.deregister({"store": "s1", "prefill": "p1", "decode": "d1"}[role])
     assert not backend.ready()
@@ -143,7 +151,7 @@ async def test_missing_role_is_503(backend: DisaggregatedBackend, registry: Inst
     assert info.value.status == 503
 
 
-async def test_eos_first_token_finishes_without_decode(backend: DisaggregatedBackend,
+async def test_eos_first_token_finishes_without_decode(backend: RequestPath,
                                                        peers: Peers) -> None:
     peers.first_token = EOS
     events = await collect(backend, request())
@@ -151,7 +159,7 @@ async def test_eos_first_token_finishes_without_decode(backend: DisaggregatedBac
     assert peers.decode_jobs == [] and peers.removed == ["tail-key"]
 
 
-async def test_eos_first_token_with_ignore_eos_decodes(backend: DisaggregatedBackend,
+async def test_eos_first_token_with_ignore_eos_decodes(backend: RequestPath,
                                                        peers: Peers) -> None:
     peers.first_token = EOS
     peers.decode_lines = decode_lines([5], last="length")
@@ -159,14 +167,14 @@ async def test_eos_first_token_with_ignore_eos_decodes(backend: DisaggregatedBac
     assert [e.finish_reason for e in events] == [None, "length"]
 
 
-async def test_max_tokens_one(backend: DisaggregatedBackend, peers: Peers) -> None:
+async def test_max_tokens_one(backend: RequestPath, peers: Peers) -> None:
     events = await collect(backend, request(max_tokens=1))
     assert [(e.token_id, e.finish_reason) for e in events] == [(42, "length")]
     assert peers.removed == ["tail-key"] and peers.decode_jobs == []
 
 
 @pytest.mark.parametrize(("status", "expected"), [(503, 503), (500, 502), (400, 400)])
-async def test_prefill_failure(backend: DisaggregatedBackend, peers: Peers, status: int,
+async def test_prefill_failure(backend: RequestPath, peers: Peers, status: int,
                                expected: int) -> None:
     peers.prefill_status = status
     with pytest.raises(BackendError, match="prefill instance p1 failed: prefill KV cache full") \
@@ -175,7 +183,7 @@ async def test_prefill_failure(backend: DisaggregatedBackend, peers: Peers, stat
     assert info.value.status == expected
 
 
-async def test_decode_error_event(backend: DisaggregatedBackend, peers: Peers) -> None:
+async def test_decode_error_event(backend: RequestPath, peers: Peers) -> None:
     peers.decode_lines = [json.dumps({"token_id": 7}), json.dumps({"error": "KV load failed"})]
     got: list[TokenEvent] = []
     with pytest.raises(BackendError, match="KV load failed") as info:
@@ -184,21 +192,21 @@ async def test_decode_error_event(backend: DisaggregatedBackend, peers: Peers) -
     assert info.value.status == 503 and [e.token_id for e in got] == [42, 7]
 
 
-async def test_decode_refused_removes_tail(backend: DisaggregatedBackend, peers: Peers) -> None:
+async def test_decode_refused_removes_tail(backend: RequestPath, peers: Peers) -> None:
     peers.decode_status = 503
     with pytest.raises(BackendError, match="decode exploded"):
         await collect(backend, request())
     assert peers.removed == ["tail-key"]
 
 
-async def test_truncated_decode_stream_is_an_error(backend: DisaggregatedBackend,
+async def test_truncated_decode_stream_is_an_error(backend: RequestPath,
                                                    peers: Peers) -> None:
     peers.decode_lines = [json.dumps({"token_id": 7})]
     with pytest.raises(BackendError, match="without a final token"):
         await collect(backend, request())
 
 
-async def test_closing_mid_decode_closes_the_stream(backend: DisaggregatedBackend,
+async def test_closing_mid_decode_closes_the_stream(backend: RequestPath,
                                                     peers: Peers) -> None:
     peers.decode_lines = [json.dumps({"token_id": 7})]
     peers.decode_hang = True
@@ -210,7 +218,7 @@ async def test_closing_mid_decode_closes_the_stream(backend: DisaggregatedBacken
     assert peers.removed == []
 
 
-async def test_closing_before_decode_removes_tail(backend: DisaggregatedBackend,
+async def test_closing_before_decode_removes_tail(backend: RequestPath,
                                                   peers: Peers) -> None:
     gen = backend.generate(request())
     assert (await anext(gen)).token_id == 42
@@ -225,7 +233,7 @@ async def test_unreachable_prefill_is_marked_down(registry: InstanceRegistry) ->
     # NOTE: the conductor waits --failover-wait for another prefill instance before failing.
     config = ServerConfig(role="conductor", block_tokens=4, failover_wait_s=0.5)
     async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as http:
-        backend = DisaggregatedBackend(config, registry, http)
+        backend = request_path(config, registry, http)
         with pytest.raises(BackendError, match="unreachable") as info:
             await collect(backend, request())
     assert info.value.status == 503

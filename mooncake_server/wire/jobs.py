@@ -7,8 +7,6 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from mooncake_server.wire.instances import StoreLocation
-
 # What a prefill may reuse: its local cache only, local + the store, or nothing (recompute).
 Reuse = Literal["local", "global", "none"]
 
@@ -39,7 +37,6 @@ class PrefillJob(BaseModel):
     prompt_token_ids: list[int]
     block_keys: list[str]  # chained keys of the prompt's full blocks
     sampling: SamplingParams
-    store: StoreLocation
     # Which cached prefix the instance may reuse (the conductor's policy decides):
     # "local" = only blocks in its own paged pool, "global" = also fetch the rest of the cached
     # prefix from the store, "none" = compute every token.
@@ -90,7 +87,6 @@ class DecodeJob(BaseModel):
     tail_key: str | None
     block_checksums: list[int]
     sampling: SamplingParams
-    store: StoreLocation
     # A moved request (migration): output tokens after `first_token` the client already has;
     # `block_keys` then names every full block of the computed tokens, not only the prompt's.
     generated_token_ids: list[int] = Field(default_factory=list)

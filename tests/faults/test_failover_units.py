@@ -18,9 +18,11 @@ from mooncake_server.api.backend import BackendError, GenerateRequest
 from mooncake_server.block_keys import block_keys
 from mooncake_server.config import ServerConfig
 from mooncake_server.instance.drain import DrainingServer
-from mooncake_server.roles.conductor.failover import STALLED, InstanceLost, LineFeed, MoveOrdered
 from mooncake_server.roles.conductor.registry import InstanceRegistry
-from mooncake_server.roles.conductor.request_path import DisaggregatedBackend
+from mooncake_server.roles.conductor.request_path import RequestPath
+from mooncake_server.roles.conductor.scheduler import build_scheduler
+from mooncake_server.roles.conductor.store_index.master import StoreMaster
+from mooncake_server.roles.conductor.watch import STALLED, InstanceLost, LineFeed, MoveOrdered
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 from mooncake_server.wire.jobs import DecodeJob, PrefillJob, PrefillResult, SamplingParams
 
@@ -102,6 +104,13 @@ def full_from(job: DecodeJob) -> tuple[int, list[bytes], str]:
                  for i in range(start, len(OUTPUT))], "end"
 
 
+def request_path(config: ServerConfig, registry: InstanceRegistry,
+                 http: httpx.AsyncClient) -> RequestPath:
+    """The conductor's request path as its app wires it (scheduler over the store index)."""
+    master = StoreMaster(registry, config.store_replicas, config.cluster_secret)
+    return RequestPath(config, registry, http, build_scheduler(config, registry, master), master)
+
+
 @pytest.fixture
 def registry() -> InstanceRegistry:
     reg = InstanceRegistry(heartbeat_timeout_s=30)
@@ -112,10 +121,10 @@ def registry() -> InstanceRegistry:
     return reg
 
 
-def backend_for(registry: InstanceRegistry, http: httpx.AsyncClient) -> DisaggregatedBackend:
+def backend_for(registry: InstanceRegistry, http: httpx.AsyncClient) -> RequestPath:
     config = ServerConfig(role="conductor", block_tokens=BT, failover_wait_s=0.5,
                           heartbeat_timeout_s=0.2)
-    return DisaggregatedBackend(config, registry, http)
+    return request_path(config, registry, http)
 
 
 def request() -> GenerateRequest:
@@ -123,7 +132,7 @@ def request() -> GenerateRequest:
                                                            temperature=0, ignore_eos=True))
 
 
-async def run(backend: DisaggregatedBackend) -> list[int]:
+async def run(backend: RequestPath) -> list[int]:
     return [e.token_id async for e in backend.generate(request())]
 
 
@@ -150,8 +159,8 @@ async def test_broken_stream_resumes_on_the_other_decode_with_the_context(
     computed = PROMPT + OUTPUT[:5]  # every token but the newest has KV on d1
     assert resumed.block_keys == block_keys(computed, BT, backend.namespace)
     assert resumed.tail_key is None and resumed.block_checksums == [11, 12]
-    assert backend.failover.decode_moves == {"died": 1}
-    assert backend.failover.duplicates_dropped == 1
+    assert backend.stats.decode_moves == {"died": 1}
+    assert backend.stats.duplicates_dropped == 1
     assert not registry.is_alive("d1")  # marked down until it heartbeats again
 
 
@@ -176,7 +185,7 @@ async def test_an_ordered_move_leaves_at_the_next_token(registry: InstanceRegist
         got += [e.token_id async for e in gen]
     assert got == OUTPUT
     assert peers.closed[0] == "d1"  # the source's stream was closed: it frees the request
-    assert backend.failover.decode_moves == {"ordered": 1}
+    assert backend.stats.decode_moves == {"ordered": 1}
     assert registry.is_alive("d1")  # a move on purpose is no failure
 
 
@@ -185,7 +194,7 @@ async def test_refused_job_goes_to_the_other_decode_at_once(registry: InstanceRe
     async with httpx.AsyncClient(transport=peers) as http:
         backend = backend_for(registry, http)
         assert await run(backend) == OUTPUT
-    assert backend.failover.decode_moves == {"refused": 1}
+    assert backend.stats.decode_moves == {"refused": 1}
 
 
 async def test_a_silent_decode_that_misses_heartbeats_is_left(
@@ -201,7 +210,7 @@ async def test_a_silent_decode_that_misses_heartbeats_is_left(
         assert not task.done()  # silence alone is no failure while heartbeats come
         registry.mark_down("d1")  # its heartbeats stop
         assert await asyncio.wait_for(task, 5) == OUTPUT
-    assert backend.failover.decode_moves == {"stalled": 1}
+    assert backend.stats.decode_moves == {"stalled": 1}
 
 
 async def test_no_decode_left_fails_with_the_reason(registry: InstanceRegistry) -> None:
@@ -226,7 +235,7 @@ async def test_dead_prefill_instance_job_is_resent(registry: InstanceRegistry) -
         backend = backend_for(registry, http)
         assert await run(backend) == OUTPUT
     assert peers.prefill_jobs == ["p2"]
-    assert backend.failover.prefill_resends == {"died": 1}
+    assert backend.stats.prefill_resends == {"died": 1}
 
 
 async def test_hung_prefill_instance_that_misses_heartbeats_is_left(
@@ -240,7 +249,7 @@ async def test_hung_prefill_instance_that_misses_heartbeats_is_left(
         registry.mark_down("p1")
         assert await asyncio.wait_for(task, 5) == OUTPUT
     assert peers.prefill_jobs == ["p2"]
-    assert backend.failover.prefill_resends == {"stalled": 1}
+    assert backend.stats.prefill_resends == {"stalled": 1}
 
 
 async def test_line_feed_watches_moves_and_heartbeats() -> None:

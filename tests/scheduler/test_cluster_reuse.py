@@ -10,7 +10,6 @@ import pytest
 from live_cluster import BLOCK, Cluster, start
 
 from mooncake_server.block_keys import block_keys, kv_namespace
-from mooncake_server.wire.instances import InstanceStatus, StoreLocation
 from mooncake_server.wire.jobs import PrefillJob, PrefillResult, SamplingParams
 
 
@@ -29,23 +28,12 @@ def prompt(seed: int, n: int) -> list[int]:
     return [1000 + (seed * 7919 + i * 104729) % 30000 for i in range(n)]
 
 
-def store_location(c: Cluster) -> StoreLocation:
-    r = httpx.get(c.conductor + "/internal/instances", headers=c.headers, timeout=5)
-    raw = r.json()
-    items = raw["instances"] if isinstance(raw, dict) else raw
-    store = next(InstanceStatus.model_validate(i).info for i in items
-                 if i["info"]["role"] == "store")
-    loc = StoreLocation.of(store)
-    assert loc is not None, "the store registered without a segment"
-    return loc
-
-
 def prefill(c: Cluster, which: int, ids: list[int], reuse: str, rid: str) -> PrefillResult:
     """One prefill job sent straight to prefill-`which`."""
     job = PrefillJob(request_id=rid, prompt_token_ids=ids,
                      block_keys=block_keys(ids, BLOCK, kv_namespace("tiny", "float32", BLOCK)),
                      sampling=SamplingParams(max_tokens=1, temperature=0.0),
-                     store=store_location(c), reuse=reuse)
+                     reuse=reuse)
     r = httpx.post(c.prefill[which] + "/internal/prefill", content=job.model_dump_json(),
                    headers={**c.headers, "content-type": "application/json"}, timeout=60)
     assert r.status_code == 200, r.text

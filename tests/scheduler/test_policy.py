@@ -189,14 +189,11 @@ async def test_random_policy_uses_every_instance() -> None:
     assert seen_p == {"p1", "p2", "p3"} and seen_d == {"d1", "d2", "d3"}
 
 
-async def test_picker_methods_return_the_plan_and_release_forgets_it() -> None:
-    s = scheduler("cache-global", {"s1": 10, STORE_WIDE: 10})
-    req = request("r", 300)
-    plan = await s.plan(req, keys(300))
-    assert plan is not None
-    assert s.pick_store(req, keys(300)).instance_id == "s1"  # type: ignore[union-attr]
-    assert s.pick_prefill(req, keys(300)) == plan.prefill
-    assert s.pick_decode(req) == plan.decode
+async def test_the_plan_carries_the_store_prefix_and_release_forgets_the_request() -> None:
+    s = scheduler("cache-global", {"s1": 10, STORE_WIDE: 12})
+    plan = await s.plan(request("r", 300), keys(300))
+    assert plan is not None and plan.cached_blocks == 12  # the request path counts these hits
+    assert s.tracker.in_flight() == 1
     s.release("r")
     assert s.tracker.in_flight() == 0
 
@@ -204,7 +201,6 @@ async def test_picker_methods_return_the_plan_and_release_forgets_it() -> None:
 async def test_missing_role_means_no_plan() -> None:
     s = KVCacheScheduler(cluster(prefill=0), MODEL, block_tokens=BT)
     assert await s.plan(request("r", 100), keys(100)) is None
-    assert s.pick_prefill(request("r", 100), []) is None
 
 
 async def test_tbt_rejections_end_once_the_overload_measurements_age_out() -> None:

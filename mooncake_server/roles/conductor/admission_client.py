@@ -22,7 +22,6 @@ from collections.abc import Callable
 import httpx
 
 from mooncake_server.api.backend import GenerateRequest
-from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.conductor.scheduler.policy import SLORejected
 from mooncake_server.wire.instances import InstanceInfo
 from mooncake_server.wire.jobs import DecodeRelease, DecodeReserve
@@ -46,8 +45,9 @@ def _reason(response: httpx.Response) -> str:
 
 async def reserve_decode(http: httpx.AsyncClient, headers: dict[str, str],
                          request: GenerateRequest, planned: InstanceInfo,
-                         registry: InstanceRegistry, repick: Repick | None) -> InstanceInfo:
-    """The decode instance now holding room for `request` (the planned one or the next best).
+                         repick: Repick) -> InstanceInfo:
+    """The decode instance now holding room for `request` (the planned one, else the next one
+    `repick` offers after those that refused).
 
     Raises SLORejected (429, Retry-After) when every live decode instance refuses it.
     """
@@ -70,11 +70,7 @@ async def reserve_decode(http: httpx.AsyncClient, headers: dict[str, str],
         if r.status_code != 503:
             return decode  # admitted, or an instance without admission control
         refused[decode.instance_id] = _reason(r)
-        if repick is not None:
-            decode = repick(request, set(refused))
-        else:
-            decode = next((d for d in registry.alive("decode")
-                           if d.instance_id not in refused), None)
+        decode = repick(request, set(refused))
     detail = "; ".join(f"{k}: {v}" for k, v in refused.items())
     raise SLORejected(f"server overloaded: no decode instance can take the request now "
                       f"({detail}); retry in {_RETRY_AFTER_S:g} s", _RETRY_AFTER_S)

@@ -1,8 +1,8 @@
 """`--role conductor`: the OpenAI API, the instance registry and the disaggregated request path.
 
-A request walks: OpenAI API (validate, chat template, length check) -> ScheduledBackend
-(Algorithm 1: prefix hits, TTFT / TBT estimates, placement or an immediate 429) ->
-DisaggregatedBackend (block keys, prefill job, decode job) -> tokens streamed back.
+A request walks: OpenAI API (validate, chat template, length check) -> RequestPath
+(request_path.py: block keys, Algorithm 1's plan or an immediate 429, decode reservation,
+prefill job, decode stream, moves on faults) -> tokens streamed back.
 Instances join through POST /internal/register and stay picked while their heartbeats arrive.
 Store nodes also report what they hold to the global store index (/internal/store/*), which
 engine roles ask where blocks live and where new ones go.
@@ -31,23 +31,14 @@ from mooncake_server.api.openai_app import create_api_router, install_api_guard
 from mooncake_server.api.prompts import load_eos_token_ids
 from mooncake_server.config import ServerConfig
 from mooncake_server.model_assets import resolve_model, served_name
-from mooncake_server.roles.conductor.failover import (
-    FailoverCollector,
-    Migrating,
-    failover_router,
-    find_migrating,
-)
+from mooncake_server.roles.conductor.operator_routes import MovesCollector, operator_router
 from mooncake_server.roles.conductor.registry import (
     INSTANCE_ROLES,
     InstanceRegistry,
     registry_router,
 )
-from mooncake_server.roles.conductor.request_path import DisaggregatedBackend
-from mooncake_server.roles.conductor.scheduler import (
-    ScheduledBackend,
-    build_scheduler,
-    load_perf_model,
-)
+from mooncake_server.roles.conductor.request_path import RequestPath
+from mooncake_server.roles.conductor.scheduler import build_scheduler, load_perf_model
 from mooncake_server.roles.conductor.scheduler.local_index import (
     LocalCacheIndex,
     local_cache_router,
@@ -141,8 +132,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         ) as http:
             if not config.profile_path:  # size the built-in model's KV bytes to this model
                 scheduler.model = load_perf_model(config, hf_config)
-            backend = ScheduledBackend(DisaggregatedBackend(
-                config, registry, http, picker=scheduler, store_master=store_master), scheduler)
+            backend = RequestPath(config, registry, http, scheduler, store_master)
             app.state.backend = backend
             # Routes need the tokenizer, so they join once it is loaded (before serving) and
             # leave with this lifespan (a restarted app gets fresh ones).
@@ -166,11 +156,11 @@ def build_app(config: ServerConfig) -> FastAPI:
     app.state.registry = registry
     app.include_router(registry_router(registry, config.cluster_secret))
     # Request moves (decode migration, prefill re-sends): /internal/{migrate,requests}, metrics.
-    def migrating() -> Migrating | None:
-        return find_migrating(getattr(app.state, "backend", None))
+    def request_path() -> RequestPath | None:
+        return getattr(app.state, "backend", None)
 
-    app.include_router(failover_router(migrating, config.cluster_secret))
-    prom.register(FailoverCollector(migrating))
+    app.include_router(operator_router(request_path, config.cluster_secret))
+    prom.register(MovesCollector(request_path))
     app.state.store_master = store_master
     app.include_router(master_router(store_master, config.cluster_secret))
     app.include_router(local_cache_router(local_caches, config.cluster_secret))

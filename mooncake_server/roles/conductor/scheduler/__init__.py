@@ -1,7 +1,7 @@
 """The KVCache-centric scheduler: cost model, estimators, Algorithm 1 and its wiring.
 
 `build_scheduler` turns the conductor's config into a `KVCacheScheduler` (policy, SLOs, the
-profiled cost model, a prefix oracle); `ScheduledBackend` puts it in front of the request path.
+profiled cost model, a prefix oracle); the request path (`request_path.py`) asks it once per request.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from mooncake_server.config import ServerConfig
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.engine.cpu import auto_dtype, cpu_features
 from mooncake_server.roles.conductor.registry import InstanceRegistry
-from mooncake_server.roles.conductor.scheduler.backend import ScheduledBackend
 from mooncake_server.roles.conductor.scheduler.local_index import LocalCacheIndex
 from mooncake_server.roles.conductor.scheduler.oracle import (
     IndexPrefixOracle,
@@ -26,7 +25,7 @@ from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler, P
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVCacheScheduler", "LocalCacheIndex", "PerfModel", "Policy", "SLORejected", "ScheduledBackend",
+__all__ = ["KVCacheScheduler", "LocalCacheIndex", "PerfModel", "Policy", "SLORejected",
            "build_scheduler", "kv_bytes_per_token", "load_perf_model"]
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

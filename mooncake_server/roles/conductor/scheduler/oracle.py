@@ -6,8 +6,9 @@
     its own prefix cache as it reports it (`LocalCacheIndex`), or, without such reports, a store
     node on the same host;
   - a store node id: the longest prefix that node alone holds.
-Missing instances mean 0. Two implementations: the conductor's global store index (no I/O), and
-one `/store/exists` call to a store node (works against any single store).
+Missing instances mean 0. It is answered from the conductor's global store index (no I/O); the
+request path reuses the same answer (`Plan.cached_blocks`) to count hits on hot blocks, so the
+index is walked once per request.
 """
 
 from __future__ import annotations
@@ -17,13 +18,8 @@ from collections.abc import Sequence
 from typing import Protocol
 from urllib.parse import urlsplit
 
-import httpx
-
 from mooncake_server.roles.conductor.registry import InstanceRegistry
-from mooncake_server.wire.auth import secret_headers
 from mooncake_server.wire.index import StorePrefixReply
-from mooncake_server.wire.instances import InstanceInfo
-from mooncake_server.wire.store_ops import StoreExistsReply, StoreKeys
 
 log = logging.getLogger(__name__)
 
@@ -107,34 +103,3 @@ class IndexPrefixOracle:
             if local:
                 hits[info.instance_id] = local
         return hits
-
-
-class StoreExistsOracle:
-    """Asks one store node (`/store/exists`) for the prefix it holds; it stands for the store."""
-
-    def __init__(self, registry: InstanceRegistry, http: httpx.AsyncClient, secret: str,
-                 timeout_s: float = 2.0) -> None:
-        self._registry = registry
-        self._http = http
-        self._headers = {**secret_headers(secret), "content-type": "application/json"}
-        self._timeout = timeout_s
-
-    def _store(self) -> InstanceInfo | None:
-        alive = self._registry.alive("store")
-        return alive[0] if alive else None
-
-    async def longest_prefix(self, keys: Sequence[str]) -> dict[str, int]:
-        """One HTTP call; a failing store means no hits (the request is still served)."""
-        store = self._store()
-        if store is None or not keys:
-            return {}
-        try:
-            response = await self._http.post(
-                f"{store.url}/store/exists", content=StoreKeys(keys=list(keys)).model_dump_json(),
-                headers=self._headers, timeout=self._timeout)
-            response.raise_for_status()
-            prefix = StoreExistsReply.model_validate_json(response.content).prefix
-        except (httpx.HTTPError, ValueError) as exc:
-            log.warning("prefix lookup on store %s failed: %r", store.instance_id, exc)
-            return {}
-        return {STORE_WIDE: prefix, store.instance_id: prefix}

@@ -1,4 +1,4 @@
-"""Algorithm 1 of the paper as an `InstancePicker`: KVCache-centric placement + SLO early rejection.
+"""Algorithm 1 of the paper: KVCache-centric placement + SLO early rejection, one `Plan` per request.
 
 Per request, once: the prefix oracle says how much of the prompt is cached where; every live
 prefill instance gets a TTFT estimate (queue + transfer of the prefix it lacks + prefill of the
@@ -16,6 +16,8 @@ prefix it lacks from the store) only under cache-global when the estimate chose 
 otherwise `local`, the blocks in its own prefix cache. A decode instance that refuses the request
 at admission (its KV memory or TBT would not allow it) is replaced by the next best one
 (`repick_decode`); when none is left the request gets a 429 before prefill starts.
+The plan is a value: the request path keeps it and replaces its instances when the request
+moves; the scheduler keeps only its ledger of work in flight (`LoadTracker`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from mooncake_server.roles.conductor.scheduler.oracle import (
     PrefixOracle,
 )
 from mooncake_server.wire.instances import InstanceInfo
+from mooncake_server.wire.jobs import Reuse
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +73,12 @@ class SLORejected(BackendError):
 class Plan(NamedTuple):
     """Where one request runs and what the scheduler expects of it."""
 
-    store: InstanceInfo | None
     prefill: InstanceInfo
     decode: InstanceInfo
     prefill_estimate: PrefillEstimate
     tbt_s: float
-    reuse: str = "local"  # PrefillJob.reuse: local | global
+    reuse: Reuse = "local"  # PrefillJob.reuse: local | global
+    cached_blocks: int = 0  # leading prompt blocks the global store holds (STORE_WIDE hits)
 
 
 class _DecodeChoice(NamedTuple):
@@ -106,8 +109,6 @@ class KVCacheScheduler:
                                                                   info.incarnation))
         self.rejected = 0
         self._rng = rng or random.Random()
-        self._plans: dict[str, Plan] = {}
-        self._unmanaged: set[str] = set()  # planned by a bare pick_*: nobody calls release()
 
     # ---- Algorithm 1 --------------------------------------------------------------------------
 
@@ -119,7 +120,6 @@ class KVCacheScheduler:
         hits = await self.oracle.longest_prefix(keys) if keys else {}
         plan = self.decide(request, hits)
         if plan is not None:
-            self._plans[request.request_id] = plan
             est = plan.prefill_estimate
             # The ledger stores the uncalibrated estimate; it applies the calibration itself.
             uncalibrated = est.compute_s / est.calibration + est.transfer_s
@@ -148,8 +148,8 @@ class KVCacheScheduler:
         prefill = next(i for i in prefills if i.instance_id == best_p.instance_id)
         reuse = ("global" if self.policy is Policy.CACHE_GLOBAL and best_p.fetched_tokens
                  else "local")
-        return Plan(self._pick_store_node(hits), prefill, best_d.info, best_p, best_d.tbt_s,
-                    reuse)
+        return Plan(prefill, best_d.info, best_p, best_d.tbt_s, reuse,
+                    cached_blocks=hits.get(STORE_WIDE, 0))
 
     def _best_decode(self, choices: list[_DecodeChoice]) -> _DecodeChoice:
         if self.policy is Policy.RANDOM:
@@ -212,15 +212,6 @@ class KVCacheScheduler:
         raise SLORejected(f"server overloaded: {'; '.join(problems)}; retry in {retry:g} s",
                           retry)
 
-    def _pick_store_node(self, hits: dict[str, int]) -> InstanceInfo | None:
-        # The node holding the longest prefix keeps the request's blocks together; else rotate.
-        stores = self.registry.alive("store")
-        held = [(hits.get(s.instance_id, 0), s.instance_id, s) for s in stores]
-        best = max(held, key=lambda h: (h[0], h[1]), default=None)
-        if best is not None and best[0] > 0:
-            return best[2]
-        return self.registry.pick("store")
-
     # ---- the ledger's feedback -------------------------------------------------------------------
 
     def first_token(self, request_id: str) -> None:
@@ -236,16 +227,20 @@ class KVCacheScheduler:
             predicted = self.model.decode_step_s(load.batch, load.context_tokens)
         self.tracker.token(request_id, predicted)
 
+    def follow_decode(self, request_id: str, decode_id: str) -> None:
+        """The request moved to another decode instance: its load counts there now."""
+        self.tracker.move_decode(request_id, decode_id)
+
     def release(self, request_id: str) -> None:
         """The request ended, whatever the outcome."""
-        self._plans.pop(request_id, None)
         self.tracker.finished(request_id)
 
     # ---- decode admission ---------------------------------------------------------------------
 
     def repick_decode(self, request: GenerateRequest,
                       refused: set[str]) -> InstanceInfo | None:
-        """The next decode instance after `refused` ones turned the request away at admission.
+        """The next decode instance after `refused` ones turned the request away at admission
+        (the ledger moves the request there; the caller updates its plan).
 
         None when no other one is alive, or (with --tbt-slo) none is predicted to keep it.
         """
@@ -255,44 +250,5 @@ class KVCacheScheduler:
         best = self._best_decode([self._decode_choice(d, request) for d in decodes])
         if self.tbt_slo_s is not None and (best.tbt_s > self.tbt_slo_s or not best.fits):
             return None
-        rid = request.request_id
-        plan = self._plans.get(rid)
-        if plan is not None:
-            self._plans[rid] = plan._replace(decode=best.info, tbt_s=best.tbt_s)
-        self.tracker.move_decode(rid, best.info.instance_id)
+        self.tracker.move_decode(request.request_id, best.info.instance_id)
         return best.info
-
-    def prefill_reuse(self, request: GenerateRequest) -> str:
-        """What the planned prefill instance may reuse (`PrefillJob.reuse`)."""
-        plan = self._plans.get(request.request_id)
-        return plan.reuse if plan else "global"
-
-    # ---- InstancePicker -----------------------------------------------------------------------
-
-    def _plan_for(self, request: GenerateRequest) -> Plan | None:
-        plan = self._plans.get(request.request_id)
-        if plan is None:
-            # Called without plan() first (a backend used on its own): decide without hits.
-            plan = self.decide(request, {})
-            if plan is not None:
-                self._plans[request.request_id] = plan
-                self._unmanaged.add(request.request_id)
-        return plan
-
-    def pick_store(self, request: GenerateRequest, keys: Sequence[str]) -> InstanceInfo | None:
-        """The planned store node."""
-        plan = self._plan_for(request)
-        return plan.store if plan else self.registry.pick("store")
-
-    def pick_prefill(self, request: GenerateRequest, keys: Sequence[str]) -> InstanceInfo | None:
-        """The planned prefill instance."""
-        plan = self._plan_for(request)
-        return plan.prefill if plan else None
-
-    def pick_decode(self, request: GenerateRequest) -> InstanceInfo | None:
-        """The planned decode instance (the last pick of a request)."""
-        plan = self._plan_for(request)
-        if request.request_id in self._unmanaged:
-            self._unmanaged.discard(request.request_id)
-            self._plans.pop(request.request_id, None)
-        return plan.decode if plan else None

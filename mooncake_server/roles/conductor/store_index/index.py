@@ -85,29 +85,32 @@ class GlobalIndex:
 
     def prefix(self, keys: list[str], alive: Collection[str]) -> int:
         """Leading keys that have at least one live copy somewhere."""
-        for i, key in enumerate(keys):
-            where = self._where.get(key)
-            if not where or not any(n in alive for n in where):
-                return i
-        return len(keys)
+        return self.prefixes(keys, alive)[0]
 
     def prefix_by_node(self, keys: list[str], alive: Collection[str]) -> dict[str, int]:
-        """For each live node, how many leading keys it alone holds (one pass over the keys)."""
+        """For each live node, how many leading keys it alone holds."""
+        return self.prefixes(keys, alive)[1]
+
+    def prefixes(self, keys: list[str], alive: Collection[str]) -> tuple[int, dict[str, int]]:
+        """`prefix` and `prefix_by_node` in one walk over the keys (the scheduler's query)."""
         # NOTE: a node's run can only continue while it held every earlier key, so the set of
-        # candidates shrinks as we walk; the whole call is O(len(keys) * replicas).
-        result = {n: 0 for n in alive}
+        # candidates shrinks as we walk; the walk stops when no node's run and no store-wide
+        # run is left: O(len(prefix) * replicas).
+        by_node = {n: 0 for n in alive}
         running = set(alive)
+        anywhere: int | None = None  # store-wide prefix, once it ended
         for i, key in enumerate(keys):
             where = self._where.get(key, {})
-            stopped = [n for n in running if n not in where]
-            for n in stopped:
-                result[n] = i
+            if anywhere is None and not any(n in alive for n in where):
+                anywhere = i
+            for n in [n for n in running if n not in where]:
+                by_node[n] = i
                 running.discard(n)
-            if not running:
-                break
+            if anywhere is not None and not running:
+                return anywhere, by_node
         for n in running:
-            result[n] = len(keys)
-        return result
+            by_node[n] = len(keys)
+        return (len(keys) if anywhere is None else anywhere), by_node
 
     def stats(self) -> IndexStats:
         """Counts for /metrics."""

@@ -156,9 +156,8 @@ class StoreMaster:
 
     def prefix(self, keys: list[str]) -> StorePrefixReply:
         """Longest prefix cached anywhere, and per live node."""
-        alive = self.live_nodes()
-        return StorePrefixReply(prefix=self.index.prefix(keys, alive),
-                                by_node=self.index.prefix_by_node(keys, alive))
+        prefix, by_node = self.index.prefixes(keys, self.live_nodes())
+        return StorePrefixReply(prefix=prefix, by_node=by_node)
 
     # ---- hot blocks ---------------------------------------------------------------------------
 

@@ -1,0 +1,188 @@
+"""The conductor's calls to one instance for one request: a prefill job, a decode stream, and
+removing a tail block from the store. Failures become `BackendError` (the client's status) or
+`InstanceLost` (the request moves on, moves.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, Callable
+from functools import partial
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from mooncake_server.api.backend import BackendError, TokenEvent
+from mooncake_server.roles.conductor.flow import RequestFlow
+from mooncake_server.roles.conductor.moves import MoveStats
+from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.roles.conductor.store_index.master import StoreMaster
+from mooncake_server.roles.conductor.watch import (
+    DIED,
+    ERROR,
+    REFUSED,
+    InstanceLost,
+    LineFeed,
+    check_interval,
+)
+from mooncake_server.wire.instances import InstanceInfo
+from mooncake_server.wire.jobs import DecodeEvent, DecodeJob, ErrorEvent, PrefillJob, PrefillResult
+from mooncake_server.wire.store_ops import StoreKeys
+
+log = logging.getLogger(__name__)
+
+
+def peer_status(status: int) -> int:
+    """HTTP status the client sees for a peer's failure status."""
+    if status in (429, 503) or (400 <= status < 500 and status not in (401, 403, 404, 405)):
+        return status  # overload or a problem with the request itself: pass it on
+    return 502  # a peer misbehaving or misconfigured is a bad gateway from the client's view
+
+
+def peer_message(response: httpx.Response) -> str:
+    """The error message in a peer's error body (FastAPI detail, OpenAI error, or text)."""
+    try:
+        body: Any = response.json()
+    except ValueError:
+        return response.text.strip()[:500] or f"HTTP {response.status_code}"
+    if isinstance(body, dict):
+        if isinstance(body.get("detail"), str):
+            return str(body["detail"])
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+    return json.dumps(body)[:500]
+
+
+def _parse_line(line: str, where: str) -> DecodeEvent:
+    try:
+        data = json.loads(line)
+        if isinstance(data, dict) and "error" in data:
+            raise BackendError(f"{where}: {ErrorEvent.model_validate(data).error}", 503)
+        return DecodeEvent.model_validate(data)
+    except (ValueError, ValidationError) as exc:
+        raise BackendError(f"{where} sent an invalid stream line", 502) from exc
+
+
+class InstanceCalls:
+    """One request's calls to the prefill / decode / store instance it is placed on."""
+
+    def __init__(self, http: httpx.AsyncClient, headers: dict[str, str],
+                 timeout: httpx.Timeout, registry: InstanceRegistry, store_master: StoreMaster,
+                 stats: MoveStats, heartbeat_timeout_s: float) -> None:
+        self._http = http
+        self._json_headers = {**headers, "content-type": "application/json"}
+        self._timeout = timeout
+        self._registry = registry
+        self._store_master = store_master
+        self._stats = stats
+        self._check_s = check_interval(heartbeat_timeout_s)
+
+    async def prefill(self, flow: RequestFlow, prefill: InstanceInfo) -> PrefillResult:
+        """Run the request's prefill job on `prefill`; its KV lands in the store."""
+        job = PrefillJob(request_id=flow.request_id,
+                         prompt_token_ids=flow.request.prompt_token_ids, block_keys=flow.keys,
+                         sampling=flow.request.sampling, reuse=flow.plan.reuse)
+        try:
+            response = await self._http.post(
+                f"{prefill.url}/internal/prefill", content=job.model_dump_json(),
+                headers=self._json_headers, timeout=self._timeout)
+        except httpx.TransportError as exc:
+            self._registry.mark_down(prefill.instance_id)
+            raise BackendError(
+                f"prefill instance {prefill.instance_id} unreachable: {exc!r}", 503) from exc
+        if not response.is_success:
+            raise BackendError(
+                f"prefill instance {prefill.instance_id} failed: {peer_message(response)}",
+                peer_status(response.status_code))
+        try:
+            return PrefillResult.model_validate_json(response.content)
+        except ValidationError as exc:
+            raise BackendError(
+                f"prefill instance {prefill.instance_id} sent an invalid result", 502) from exc
+
+    async def decode(self, flow: RequestFlow, decode: InstanceInfo,
+                     job: DecodeJob) -> AsyncGenerator[TokenEvent, None]:
+        """`decode`'s token stream for `job`; InstanceLost / MoveOrdered end it early."""
+        where = f"decode instance {decode.instance_id}"
+        alive = partial(self._registry.is_alive, decode.instance_id)
+        feed = LineFeed(partial(self._read_decode, flow, decode, job))
+        try:
+            while (line := await feed.next(alive, flow.move, self._check_s)) is not None:
+                event = self._next_event(flow, line, where)
+                if event is None:
+                    continue
+                flow.delivered.append(event.token_id)
+                yield TokenEvent(event.token_id, event.finish_reason)
+                if event.finish_reason is not None:
+                    return
+        finally:
+            await feed.aclose()
+        raise InstanceLost(f"{where} ended the stream without a final token", DIED, False)
+
+    async def _read_decode(self, flow: RequestFlow, decode: InstanceInfo, job: DecodeJob,
+                           emit: Callable[[str], None]) -> None:
+        """POST the job and emit the stream's lines (runs in the LineFeed's own task)."""
+        where = f"decode instance {decode.instance_id}"
+        try:
+            async with self._http.stream(
+                "POST", f"{decode.url}/internal/decode", content=job.model_dump_json(),
+                headers=self._json_headers, timeout=self._timeout,
+            ) as response:
+                if not response.is_success:
+                    await response.aread()
+                    if response.status_code == 503:
+                        raise InstanceLost(f"{where} refused: {peer_message(response)}",
+                                           REFUSED, False)
+                    raise BackendError(f"{where} failed: {peer_message(response)}",
+                                       peer_status(response.status_code))
+                flow.tail_settled = True  # decode accepted the job: its tail is decode's now
+                flow.reserved_on = None  # and the job claimed the reservation
+                async for line in response.aiter_lines():
+                    emit(line)
+        except httpx.TransportError as exc:
+            raise InstanceLost(f"{where} failed mid-stream: {exc!r}", DIED, True) from exc
+
+    def _next_event(self, flow: RequestFlow, line: str, where: str) -> DecodeEvent | None:
+        """The stream line's token, None for a blank line or a token the client already has;
+        an error line raises InstanceLost (the request moves on)."""
+        if not line.strip():
+            return None
+        try:
+            event = _parse_line(line, where)
+        except BackendError as exc:
+            if exc.status != 503:
+                raise
+            raise InstanceLost(str(exc), ERROR, False) from exc  # an error event
+        expected = 1 + len(flow.delivered)
+        if event.index is not None and event.index < expected:
+            self._stats.duplicates_dropped += 1  # a moved request repeating itself
+            return None
+        if event.index is not None and event.index > expected:
+            raise BackendError(f"{where} skipped output tokens {expected}..{event.index - 1}",
+                               502)
+        return event
+
+    async def remove_tail(self, flow: RequestFlow) -> None:
+        """Drop the request's partial tail block from every node that holds it: no decode
+        instance will read it."""
+        tail = flow.result.tail_key if flow.result else None
+        if tail is None:
+            return
+        flow.tail_settled = True  # NOTE: try once, whatever the outcome
+        where = self._store_master.locate([tail])
+        for replica in where.replicas[0]:
+            store = where.nodes[replica.node_id]
+            try:
+                response = await self._http.post(
+                    f"{store.url}/store/remove", content=StoreKeys(keys=[tail]).model_dump_json(),
+                    headers=self._json_headers, timeout=5.0)
+                if not response.is_success:
+                    log.warning("store %s refused to remove tail %s: %s", store.instance_id,
+                                tail, peer_message(response))
+            except httpx.HTTPError as exc:
+                log.warning("removing tail %s from store %s failed: %r", tail,
+                            store.instance_id, exc)

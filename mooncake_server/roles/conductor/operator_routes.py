@@ -1,0 +1,92 @@
+"""Operators' view of the request path: requests in flight, ordered moves, and move counters.
+
+POST /internal/migrate orders a decoding request onto another decode instance (load shift);
+GET /internal/requests lists what is in flight and where. Both need the cluster secret.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from fastapi import APIRouter, Depends, HTTPException
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from mooncake_server.roles.conductor.moves import MoveStats
+from mooncake_server.wire.auth import require_secret
+from mooncake_server.wire.moves import MigrateReply, MigrateRequest, RunningRequest
+
+
+class InFlight(Protocol):
+    """What the routes and the collector read of the request path (`RequestPath`)."""
+
+    stats: MoveStats
+
+    def running(self) -> list[RunningRequest]:
+        """Requests in flight."""
+        ...
+
+    def migrate(self, request_id: str, target: str | None) -> MigrateReply:
+        """Order a move; LookupError if unknown, ValueError if it cannot move now."""
+        ...
+
+
+def operator_router(path: Callable[[], InFlight | None], secret: str) -> APIRouter:
+    """Routes: POST /internal/migrate, GET /internal/requests (cluster secret required).
+
+    `path()` is the request path, None until the conductor's lifespan has built it.
+    """
+    router = APIRouter(prefix="/internal", dependencies=[Depends(require_secret(secret))])
+
+    def current() -> InFlight:
+        found = path()
+        if found is None:
+            raise HTTPException(503, "the conductor is not serving yet")
+        return found
+
+    @router.post("/migrate")
+    async def migrate(body: MigrateRequest) -> MigrateReply:
+        """Move a decoding request to another decode instance (load shift)."""
+        try:
+            return current().migrate(body.request_id, body.target)
+        except LookupError as exc:
+            raise HTTPException(404, str(exc)) from None
+        except ValueError as exc:
+            raise HTTPException(409, str(exc)) from None
+
+    @router.get("/requests")
+    async def requests() -> list[RunningRequest]:
+        """Requests in flight and the instance serving each."""
+        return current().running()
+
+    return router
+
+
+class MovesCollector(Collector):
+    """Exports the move counters and the number of requests in flight."""
+
+    def __init__(self, path: Callable[[], InFlight | None]) -> None:
+        self._path = path
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """Samples at scrape time (zeros before the request path exists)."""
+        found = self._path()
+        stats = found.stats if found is not None else MoveStats()
+        moves = CounterMetricFamily("mooncake_conductor_decode_moves",
+                                    "Decoding requests moved to another decode instance",
+                                    labels=["reason"])
+        for reason, n in sorted(stats.decode_moves.items()):
+            moves.add_metric([reason], n)
+        yield moves
+        resends = CounterMetricFamily("mooncake_conductor_prefill_resends",
+                                      "Prefill jobs re-sent to another prefill instance",
+                                      labels=["reason"])
+        for reason, n in sorted(stats.prefill_resends.items()):
+            resends.add_metric([reason], n)
+        yield resends
+        yield CounterMetricFamily("mooncake_conductor_duplicate_tokens_dropped",
+                                  "Tokens a moved request produced again, not passed on",
+                                  value=stats.duplicates_dropped)
+        yield GaugeMetricFamily("mooncake_conductor_requests_running", "Requests in flight",
+                                value=len(found.running()) if found is not None else 0)
