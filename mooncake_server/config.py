@@ -32,82 +32,231 @@ def parse_size(text: str | int, flag: str = "size") -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+# Which processes read a field: the roles that run one. `--role all` is no reader of its own: it
+# forwards each field to those of its children (conductor, store, prefill, decode) that read it.
+CONDUCTOR, PREFILL, DECODE, STORE, COLOCATED = ("conductor", "prefill", "decode", "store",
+                                                "colocated")
+EVERY_ROLE = (CONDUCTOR, PREFILL, DECODE, STORE, COLOCATED)
+ENGINES = (PREFILL, DECODE, COLOCATED)  # the roles that run the model
+MEMBERS = (PREFILL, DECODE, STORE)  # the roles that register with a conductor
+TRANSFERRING = (PREFILL, DECODE, STORE)  # the roles that run a transfer engine
+API_ROLES = (CONDUCTOR, COLOCATED)  # the roles serving the public OpenAI API
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one ServerConfig field is set on the command line, and which roles read it."""
+
+    name: str  # e.g. "--kv-memory"
+    help: str
+    roles: frozenset[str]
+    size: bool = False  # a byte size such as 8GiB, read by parse_size
+    choices: tuple[str, ...] | None = None
+
+    def argv(self, value: Any) -> list[str]:
+        """The command-line words that set this field to `value` (none for None or False)."""
+        if value is None or value is False:
+            return []
+        return [self.name] if value is True else [self.name, str(value)]
+
+
+def _setting(default: Any, flag: str, help: str, roles: tuple[str, ...], *, size: bool = False,
+             choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
+    """A ServerConfig field declaring its flag (the one table the CLI and `--role all` use)."""
+    meta = {"flag": Flag(flag, help, frozenset(roles), size, choices)}
+    return field(default=default, repr=not secret, metadata=meta)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything a role needs; frozen so no code path can change it after start-up."""
+    """Everything a role needs; frozen so no code path can change it after start-up.
 
-    role: str = "all"
-    host: str = "127.0.0.1"
-    port: int = 8000
+    Each field declares its flag, its help and the roles that read it (see `flags()`).
+    """
+
+    role: str = _setting("all", "--role", "which role this process runs (default: all)",
+                         EVERY_ROLE, choices=ROLES)
+    host: str = _setting("127.0.0.1", "--host", "address to listen on (default 127.0.0.1)",
+                         EVERY_ROLE)
+    port: int = _setting(8000, "--port", "HTTP port of this role (default 8000)", EVERY_ROLE)
     # Where this role can be reached by others; defaults to host.
-    advertise_host: str | None = None
-    conductor_url: str | None = None
-    instance_id: str | None = None
+    advertise_host: str | None = _setting(None, "--advertise-host",
+                                          "host other roles use to reach this one", EVERY_ROLE)
+    conductor_url: str | None = _setting(None, "--conductor-url",
+                                         "conductor base URL (prefill/decode/store)", MEMBERS)
+    instance_id: str | None = _setting(None, "--instance-id", "id in the conductor's registry",
+                                       MEMBERS)
 
     # Model
-    model: str | None = None  # HF path or id; None = bundled SmolLM2-135M-Instruct
-    served_model_name: str | None = None
-    dtype: str = "auto"  # auto = bfloat16 where the CPU has bf16 matmul hardware, else float32
-    quantization: str = "auto"  # auto | none | int8 (weight-only int8 linears)
-    block_tokens: int = 16
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    # NOTE: the conductor reads the model's config (context window, KV bytes per token) and
+    # tokenizer; the store never touches the model.
+    model: str | None = _setting(
+        None, "--model", "HF model path or id (default: bundled SmolLM2-135M-Instruct)",
+        (CONDUCTOR, *ENGINES))
+    served_model_name: str | None = _setting(None, "--served-model-name",
+                                             "name clients pass as `model`", (CONDUCTOR, *ENGINES))
+    # auto = bfloat16 where the CPU has bf16 matmul hardware, else float32; the conductor
+    # namespaces block keys by it and sizes the built-in cost model's KV bytes with it.
+    dtype: str = _setting(
+        "auto", "--dtype",
+        "auto (default: bfloat16 where the CPU has AMX/AVX512-BF16, else float32) | float32 | "
+        "bfloat16 | float16; float32 is the exact mode", (CONDUCTOR, *ENGINES))
+    quantization: str = _setting(
+        "auto", "--quantization",
+        "auto (default: int8 on CPUs without bf16 hardware) | none | int8 (weight-only int8 "
+        "linears)", ENGINES)
+    block_tokens: int = _setting(16, "--block-tokens", "tokens per KV block (default 16)",
+                                 (CONDUCTOR, *ENGINES))
+    # None = the model's max_position_embeddings
+    max_model_len: int | None = _setting(None, "--max-model-len",
+                                         "context window (default: the model's)",
+                                         (CONDUCTOR, *ENGINES))
 
     # Engine (prefill / decode / colocated)
-    kv_memory_bytes: int = 1 << 30
-    max_batch_size: int = 32
-    prefill_chunk_tokens: int = 2048
+    kv_memory_bytes: int = _setting(1 << 30, "--kv-memory",
+                                    "KV cache size of an engine role, e.g. 1GiB", ENGINES,
+                                    size=True)
+    max_batch_size: int = _setting(32, "--max-batch-size",
+                                   "most sequences per decode step (default 32)",
+                                   (DECODE, COLOCATED))
+    prefill_chunk_tokens: int = _setting(2048, "--prefill-chunk", "prompt tokens per forward pass",
+                                         ENGINES)
     # Colocated: prompt tokens a forward pass may carry while sequences are decoding in it, so a
     # token gap stays near one decode step while long prompts arrive.
-    decode_chunk_tokens: int = 256
-    torch_threads: int | None = None  # None = the shared core budget decides, step by step
+    decode_chunk_tokens: int = _setting(
+        256, "--decode-chunk",
+        "colocated: prompt tokens per forward pass while sequences decode in it (default 256)",
+        ENGINES)
+    # None = the shared core budget decides, step by step
+    torch_threads: int | None = _setting(
+        None, "--torch-threads",
+        "torch intra-op threads, fixed (default: taken from the shared core budget per step)",
+        ENGINES)
     # Cores the engine processes of this machine share (`--role all`); None = all of them.
-    cpu_budget: int | None = None
+    cpu_budget: int | None = _setting(
+        None, "--cpu-budget",
+        "cores the engine processes of one machine share, lent to whichever has work "
+        "(default: all cores)", ENGINES)
     # The board the engine processes of one machine share the budget on (`--role all` sets it).
-    cpu_share_path: str | None = None
+    cpu_share_path: str | None = _setting(
+        None, "--cpu-share",
+        "file the engine processes of one machine share --cpu-budget through (--role all sets "
+        "it)", ENGINES)
     # prefill: stream each layer's KV to the store | write after the forward | auto (see prefill)
-    kv_write: str = "auto"
+    kv_write: str = _setting(
+        "auto", "--kv-write",
+        "prefill: `layer` streams each layer's KV to the store as soon as it is computed; "
+        "`after` writes whole blocks once the forward pass is done; `auto` (default) streams "
+        "layers only where the copies do not take the forward's cores (RDMA, or --torch-threads "
+        "below the core count)", (PREFILL,))
 
     # Store
-    store_memory_bytes: int = 2 << 30
-    store_ssd_dir: str | None = None  # None = no SSD tier
-    store_ssd_capacity_bytes: int = 64 << 30
-    store_demote_after_s: float = 300.0  # idle objects move from DRAM to SSD after this long
-    store_replicas: int = 1  # copies of each block across store nodes (conductor's placement)
-    store_high_watermark: float = 0.95  # DRAM fraction above which LRU eviction starts
-    store_control_port: int = 0  # binary control channel (put/get/exists...); 0 = any free port
-    index_control_port: int = 0  # conductor: binary channel for store nodes' index reports
+    store_memory_bytes: int = _setting(2 << 30, "--memory", "store DRAM pool size, e.g. 8GiB",
+                                       (STORE,), size=True)
+    store_ssd_dir: str | None = _setting(None, "--ssd-dir",
+                                         "store SSD tier directory (default: no SSD tier)",
+                                         (STORE,))
+    store_ssd_capacity_bytes: int = _setting(64 << 30, "--ssd-capacity",
+                                             "store SSD tier size, e.g. 64GiB", (STORE,), size=True)
+    # idle objects move from DRAM to SSD after this long
+    store_demote_after_s: float = _setting(
+        300.0, "--demote-after",
+        "seconds an untouched store object stays in DRAM before moving to SSD (default 300)",
+        (STORE,))
+    store_high_watermark: float = _setting(
+        0.95, "--high-watermark",
+        "store DRAM fraction above which LRU eviction starts (default 0.95)", (STORE,))
+    # copies of each block across store nodes: the conductor's placement decides them
+    store_replicas: int = _setting(1, "--replicas",
+                                   "copies of each KV block across store nodes (conductor)",
+                                   (CONDUCTOR,))
 
     # Transfer engine
-    transfer_port: int = 0
-    transport: str = "auto"
-    transfer_timeout_s: float = 10.0
-    cluster_secret: str = field(default="", repr=False)
+    transfer_port: int = _setting(0, "--transfer-port", "transfer engine port (0 = any)",
+                                  TRANSFERRING)
+    store_control_port: int = _setting(
+        0, "--store-control-port",
+        "store: port of the binary control channel clients use for put/get/exists (0 = any)",
+        (STORE,))
+    index_control_port: int = _setting(
+        0, "--index-control-port",
+        "conductor: port of the binary channel store nodes send index reports on (0 = any)",
+        (CONDUCTOR,))
+    transport: str = _setting("auto", "--transport",
+                              f"transfer transport: {' | '.join(TRANSPORTS)}",
+                              TRANSFERRING)
+    transfer_timeout_s: float = _setting(10.0, "--transfer-timeout",
+                                         "seconds before a transfer fails", TRANSFERRING)
+    cluster_secret: str = _setting(
+        "", "--cluster-secret",
+        "shared secret of internal endpoints (or env MOONCAKE_CLUSTER_SECRET)", EVERY_ROLE,
+        secret=True)
 
     # Public API: who may call it and how big a request may be
-    api_key: str = field(default="", repr=False)  # "" = the public API is open
-    max_request_bytes: int = 8 << 20  # body size of a /v1 request (413 above)
-    max_messages: int = 2048  # chat messages per request (OpenAI's own limit)
-    max_prompt_tokens: int | None = None  # None = the context window
-    max_tokens_limit: int | None = None  # largest max_tokens a client may ask; None = context
-    max_stop_sequences: int = 4  # OpenAI's own limit
-    max_stop_chars: int = 256  # characters per stop sequence
-    log_prompts: bool = False  # prompts never reach the logs unless asked
-
-    # Scheduling (conductor): Algorithm 1 policy, SLOs for early rejection, the cost model
-    policy: str = "cache-global"  # random | load | cache-local | cache-global
-    ttft_slo_s: float | None = None  # None = never reject on TTFT
-    tbt_slo_s: float | None = None  # None = never reject on TBT
-    profile_path: str | None = None  # `mooncake-server profile` output; None = built-in model
+    api_key: str = _setting(  # "" = the public API is open
+        "", "--api-key",
+        "require `Authorization: Bearer KEY` on /v1/* and /metrics (or env MOONCAKE_API_KEY)",
+        API_ROLES, secret=True)
+    max_request_bytes: int = _setting(  # body size of a /v1 request (413 above)
+        8 << 20, "--max-request-size",
+        "largest /v1 request body, e.g. 8MiB (default; larger ones get 413)", API_ROLES,
+        size=True)
+    max_messages: int = _setting(  # OpenAI's own limit
+        2048, "--max-messages", "most chat messages per request (default 2048)", API_ROLES)
+    max_prompt_tokens: int | None = _setting(  # None = the context window
+        None, "--max-prompt-tokens", "most prompt tokens per request (default: the context window)",
+        API_ROLES)
+    max_tokens_limit: int | None = _setting(  # None = the context window
+        None, "--max-tokens-limit",
+        "largest max_tokens a request may ask for (default: the context window)", API_ROLES)
+    max_stop_sequences: int = _setting(  # OpenAI's own limit
+        4, "--max-stop", "most stop sequences per request (default 4)", API_ROLES)
+    max_stop_chars: int = _setting(256, "--max-stop-chars",
+                                   "longest stop sequence (default 256 chars)", API_ROLES)
+    log_prompts: bool = _setting(  # prompts never reach the logs unless asked
+        False, "--log-prompts", "log every request's prompt (off by default)", API_ROLES)
 
     # Control plane
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0
+    heartbeat_interval_s: float = _setting(1.0, "--heartbeat-interval",
+                                           "seconds between heartbeats", MEMBERS)
+    heartbeat_timeout_s: float = _setting(5.0, "--heartbeat-timeout",
+                                          "seconds before an instance is dead", (CONDUCTOR,))
+    request_timeout_s: float = _setting(
+        600.0, "--request-timeout",
+        "conductor: seconds to wait on a prefill or decode instance's reply (or its stream's next "
+        "bytes) before the request fails (default 600)",
+        (CONDUCTOR,))
     # Faults: how long a SIGTERM'd instance may finish its work; how long the conductor waits
     # for a live instance to move a request to when the one serving it died.
-    drain_timeout_s: float = 30.0
-    failover_wait_s: float = 30.0
-    log_level: str = "info"
+    drain_timeout_s: float = _setting(
+        30.0, "--drain-timeout",
+        "seconds a SIGTERM'd instance may finish its running work before it exits (default 30)",
+        MEMBERS)
+    failover_wait_s: float = _setting(
+        30.0, "--failover-wait",
+        "conductor: seconds to wait for a live instance to move a request to (default 30)",
+        (CONDUCTOR,))
+
+    # Scheduling (conductor): Algorithm 1 policy, SLOs for early rejection, the cost model;
+    # decode's admission control checks the TBT SLO with the same cost model.
+    policy: str = _setting(
+        "cache-global", "--policy",
+        "conductor's placement: random | load | cache-local | cache-global (default)",
+        (CONDUCTOR,))
+    ttft_slo_s: float | None = _setting(  # None = never reject on TTFT
+        None, "--ttft-slo",
+        "seconds; reject (429) requests whose estimated time to first token exceeds it",
+        (CONDUCTOR,))
+    tbt_slo_s: float | None = _setting(  # None = never reject on TBT
+        None, "--tbt-slo",
+        "seconds; reject (429) requests whose estimated time between tokens exceeds it",
+        (CONDUCTOR, DECODE))
+    profile_path: str | None = _setting(  # None = built-in model
+        None, "--profile",
+        "cost model from `mooncake-server profile` (default: built-in coefficients)",
+        (CONDUCTOR, DECODE))
+    log_level: str = _setting("info", "--log-level", "debug | info | warning | error",
+                              EVERY_ROLE)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -218,6 +367,11 @@ class ServerConfig:
     def new_secret() -> str:
         """A fresh random cluster secret for an all-in-one cluster."""
         return secrets.token_hex(16)
+
+
+def flags() -> list[tuple[str, Flag]]:
+    """(field name, flag) of every ServerConfig field, in declaration (= --help) order."""
+    return [(f.name, f.metadata["flag"]) for f in dataclasses.fields(ServerConfig)]
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

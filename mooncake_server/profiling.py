@@ -196,15 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str]) -> None:
-    """Entry point of `mooncake-server profile [flags] [server flags: --model, --dtype ...]`."""
-    from mooncake_server.cli import parse_config
+def run(args: argparse.Namespace, config: ServerConfig) -> None:
+    """`mooncake-server profile`: `args` from build_parser, `config` from the server flags."""
     from mooncake_server.logs import setup_logging
 
-    args, rest = build_parser().parse_known_args(argv)
     if args.repeats < 1:
         raise ValueError("--repeats: must be at least 1")
-    config = parse_config(["--role", "colocated", *rest])
     setup_logging("profile", config.log_level)
     started = time.perf_counter()
     model, measured = profile(

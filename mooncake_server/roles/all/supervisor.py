@@ -18,87 +18,53 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
 
-from mooncake_server.config import ServerConfig
+from mooncake_server.config import ServerConfig, flags
 from mooncake_server.model_assets import resolve_model
 
 log = logging.getLogger(__name__)
 
-CHILD_PORT_OFFSETS = {"conductor": 0, "store": 1, "prefill": 2, "decode": 3}
 _GRACE_S = 10.0
 _MAX_RESTARTS = 5
 _RESTART_WINDOW_S = 60.0
+# The children this supervisor runs, each on --port plus its offset.
+CHILD_PORT_OFFSETS = {"conductor": 0, "store": 1, "prefill": 2, "decode": 3}
+# Fields a child reads that never go on its command line, and why. Every other field reaches
+# every child that reads it (config.flags() says which), as given or as `_own_values` sets it.
+THROUGH_ENV = {
+    "cluster_secret": "a secret never goes on a command line (child_env)",
+    "api_key": "a secret never goes on a command line (child_env)",
+}
+NOT_FORWARDED = {
+    "instance_id": "one id for several children would collide; each is named role@host:port",
+    "advertise_host": "the children are reached on loopback; it is the supervisor's address",
+    "transfer_port": "one port for several children would collide; each picks a free one",
+}
+
+
+def _own_values(config: ServerConfig, role: str, model: str) -> dict[str, Any]:
+    """The fields the supervisor sets per child instead of forwarding them as given."""
+    return {
+        "role": role,
+        # The conductor listens on --host; the others on loopback, reached only through it.
+        "host": config.host if role == "conductor" else "127.0.0.1",
+        "port": config.port + CHILD_PORT_OFFSETS[role],
+        "conductor_url": f"http://127.0.0.1:{config.port}",
+        # Resolved once by the supervisor, so the children do not race to convert it.
+        "model": model,
+        # Absolute, so it names the same file whatever directory a child resolves it from.
+        "profile_path": config.profile_path and os.path.abspath(config.profile_path),
+    }
 
 
 def child_argv(config: ServerConfig, role: str, model: str) -> list[str]:
-    """Command line of one child role (shared settings forwarded; secret omitted)."""
-    port = config.port + CHILD_PORT_OFFSETS[role]
-    argv = [sys.executable, "-m", "mooncake_server", "--role", role,
-            "--host", config.host if role == "conductor" else "127.0.0.1", "--port", str(port),
-            "--model", model, "--dtype", config.dtype, "--quantization", config.quantization,
-            "--block-tokens", str(config.block_tokens),
-            "--transport", config.transport, "--log-level", config.log_level,
-            "--heartbeat-interval", str(config.heartbeat_interval_s),
-            "--heartbeat-timeout", str(config.heartbeat_timeout_s),
-            "--transfer-timeout", str(config.transfer_timeout_s)]
-    if config.served_model_name:
-        argv += ["--served-model-name", config.served_model_name]
-    if config.max_model_len:
-        argv += ["--max-model-len", str(config.max_model_len)]
-    if role != "conductor":
-        argv += ["--conductor-url", f"http://127.0.0.1:{config.port}"]
-    if role in ("prefill", "decode"):
-        argv += ["--kv-memory", str(config.kv_memory_bytes),
-                 "--max-batch-size", str(config.max_batch_size),
-                 "--prefill-chunk", str(config.prefill_chunk_tokens),
-                 "--decode-chunk", str(config.decode_chunk_tokens)]
-        if config.torch_threads:
-            argv += ["--torch-threads", str(config.torch_threads)]
-        if config.cpu_budget:
-            argv += ["--cpu-budget", str(config.cpu_budget)]
-        if config.cpu_share_path:
-            argv += ["--cpu-share", config.cpu_share_path]
-    if role == "prefill":
-        argv += ["--kv-write", config.kv_write]
-    if role == "conductor":
-        argv += ["--replicas", str(config.store_replicas)] + _api_limit_argv(config)
-        argv += ["--policy", config.policy]
-    if role in ("conductor", "decode"):
-        argv += _slo_argv(config)  # decode admission control checks the TBT SLO too
-    if role == "store":
-        argv += ["--memory", str(config.store_memory_bytes),
-                 "--high-watermark", str(config.store_high_watermark),
-                 "--ssd-capacity", str(config.store_ssd_capacity_bytes),
-                 "--demote-after", str(config.store_demote_after_s)]
-        if config.store_ssd_dir:
-            argv += ["--ssd-dir", config.store_ssd_dir]
-    return argv
-
-
-def _slo_argv(config: ServerConfig) -> list[str]:
-    """The SLOs and the cost model (the conductor's scheduler, decode's admission control)."""
-    argv: list[str] = []
-    if config.ttft_slo_s is not None:
-        argv += ["--ttft-slo", str(config.ttft_slo_s)]
-    if config.tbt_slo_s is not None:
-        argv += ["--tbt-slo", str(config.tbt_slo_s)]
-    if config.profile_path:
-        argv += ["--profile", os.path.abspath(config.profile_path)]
-    return argv
-
-
-def _api_limit_argv(config: ServerConfig) -> list[str]:
-    """The conductor's request limits (the API key goes through the environment)."""
-    argv = ["--max-request-size", str(config.max_request_bytes),
-            "--max-messages", str(config.max_messages),
-            "--max-stop", str(config.max_stop_sequences),
-            "--max-stop-chars", str(config.max_stop_chars)]
-    if config.max_prompt_tokens is not None:
-        argv += ["--max-prompt-tokens", str(config.max_prompt_tokens)]
-    if config.max_tokens_limit is not None:
-        argv += ["--max-tokens-limit", str(config.max_tokens_limit)]
-    if config.log_prompts:
-        argv += ["--log-prompts"]
+    """Command line of one child role: every field it reads except the secrets and the ids."""
+    own = _own_values(config, role, model)
+    argv = [sys.executable, "-m", "mooncake_server"]
+    for name, flag in flags():
+        if role in flag.roles and name not in THROUGH_ENV and name not in NOT_FORWARDED:
+            argv += flag.argv(own[name] if name in own else getattr(config, name))
     return argv
 
 
