@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 try:
-    from mooncake_server.transfer import _native
+    import mooncake_server.transfer._native as _native
 except ImportError as exc:  # pragma: no cover - depends on the build
     raise ImportError(
         "mooncake_server.transfer._native is not built: run `pip install -e . --no-deps` in the "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
-from mooncake_server.transfer import _native
+import mooncake_server.transfer._native as _native
 from mooncake_server.transfer.errors import TransferError
 
 logger = logging.getLogger(__name__)
