@@ -92,54 +92,71 @@ def _max_model_len(config: ServerConfig, hf_config: Any) -> int:
     return config.max_model_len
 
 
-def build_app(config: ServerConfig) -> FastAPI:
-    """The conductor's HTTP app; the tokenizer is loaded when it starts (lifespan)."""
-    prom = CollectorRegistry()
-    registry = InstanceRegistry(config.heartbeat_timeout_s)
-    prom.register(_InstancesCollector(registry))
-    store_master = StoreMaster(registry, config.store_replicas, config.cluster_secret)
-    prom.register(MasterCollector(store_master))
-    # Algorithm 1 (--policy, --ttft-slo, --tbt-slo); a bad --profile fails here, at start-up.
-    # Prefill instances report their own prefix caches here (per-instance hits for Algorithm 1).
-    local_caches = LocalCacheIndex()
-    scheduler = build_scheduler(config, registry, store_master, local=local_caches)
-    prom.register(SchedulerCollector(scheduler))
-    api_metrics = ApiMetrics(prom)
-    model_name = served_name(config.model, config.served_model_name)
-    limits = RequestLimits.from_config(config)
+class Conductor:
+    """The conductor's state: registry, store index, scheduler, metrics; the request path once
+    the tokenizer is loaded (lifespan)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.prom = CollectorRegistry()
+        self.registry = InstanceRegistry(config.heartbeat_timeout_s)
+        self.store_master = StoreMaster(self.registry, config.store_replicas,
+                                        config.cluster_secret)
+        # Prefill instances report their own prefix caches here (per-instance hits).
+        self.local_caches = LocalCacheIndex()
+        # Algorithm 1 (--policy, --ttft-slo, --tbt-slo); a bad --profile fails here, at start-up.
+        self.scheduler = build_scheduler(config, self.registry, self.store_master,
+                                         local=self.local_caches)
+        self.api_metrics = ApiMetrics(self.prom)
+        self.limits = RequestLimits.from_config(config)
+        self.path: RequestPath | None = None
+        for collector in (_InstancesCollector(self.registry), MasterCollector(self.store_master),
+                          SchedulerCollector(self.scheduler), MovesCollector(self.current_path)):
+            self.prom.register(collector)
+
+    def current_path(self) -> RequestPath | None:
+        """The request path, None before the lifespan built it (operator routes, metrics)."""
+        return self.path
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        """Index channel, then the API (tokenizer, request path) for as long as the app runs."""
+        config = self.config
         # Store nodes' index reports: HTTP for the first, this binary channel after (master.py).
-        channel = await serve_index_channel(store_master, config.host, config.index_control_port,
-                                            config.public_host, config.cluster_secret)
+        channel = await serve_index_channel(self.store_master, config.host,
+                                            config.index_control_port, config.public_host,
+                                            config.cluster_secret)
         try:
-            async with serve_api(app):
+            async with self._serve_api(app):
                 yield
         finally:
             await channel.close()
 
     @asynccontextmanager
-    async def serve_api(app: FastAPI) -> AsyncIterator[None]:
+    async def _serve_api(self, app: FastAPI) -> AsyncIterator[None]:
+        config = self.config
         model_path = await asyncio.to_thread(resolve_model, config.model)
         tokenizer, hf_config, eos_ids = await asyncio.to_thread(_load_model_meta, model_path)
         max_model_len = _max_model_len(config, hf_config)
+        model_name = served_name(config.model, config.served_model_name)
         # NOTE: no overall timeout: decode streams live as long as generation does; the
-        # backend sets per-request connect/read limits.
+        # request path sets per-request connect/read limits.
         async with httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=5.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128),
         ) as http:
             if not config.profile_path:  # size the built-in model's KV bytes to this model
-                scheduler.model = load_perf_model(config, hf_config)
-            backend = RequestPath(config, registry, http, scheduler, store_master)
-            app.state.backend = backend
+                self.scheduler.model = load_perf_model(config, hf_config)
+            self.path = RequestPath(config, self.registry, http, self.scheduler,
+                                    self.store_master)
+            app.state.backend = self.path
             # Routes need the tokenizer, so they join once it is loaded (before serving) and
             # leave with this lifespan (a restarted app gets fresh ones).
             before = list(app.router.routes)
             app.include_router(create_api_router(
-                backend, tokenizer, model_name, max_model_len, prom, eos_token_ids=eos_ids,
-                metrics=api_metrics, limits=limits, log_prompts=config.log_prompts))
+                self.path, tokenizer, model_name, max_model_len, self.prom,
+                eos_token_ids=eos_ids, metrics=self.api_metrics, limits=self.limits,
+                log_prompts=config.log_prompts))
             api_routes = [r for r in app.router.routes if r not in before]
             log.info("conductor serving %s (max_model_len %d) on %s", model_name,
                      max_model_len, config.base_url)
@@ -148,34 +165,40 @@ def build_app(config: ServerConfig) -> FastAPI:
             finally:
                 log.info("conductor shutting down")
                 app.router.routes[:] = [r for r in app.router.routes if r not in api_routes]
+                self.path = None
 
-    app = FastAPI(title="mooncake-server conductor", lifespan=lifespan)
-    install_error_handlers(app)
-    install_api_guard(app, api_key=config.api_key, secret=config.cluster_secret,
-                      max_body_bytes=limits.max_body_bytes)
-    app.state.registry = registry
-    app.include_router(registry_router(registry, config.cluster_secret))
-    # Request moves (decode migration, prefill re-sends): /internal/{migrate,requests}, metrics.
-    def request_path() -> RequestPath | None:
-        return getattr(app.state, "backend", None)
-
-    app.include_router(operator_router(request_path, config.cluster_secret))
-    prom.register(MovesCollector(request_path))
-    app.state.store_master = store_master
-    app.include_router(master_router(store_master, config.cluster_secret))
-    app.include_router(local_cache_router(local_caches, config.cluster_secret))
-
-    @app.get("/health")
-    async def health() -> Response:
+    def health(self) -> Response:
         """200 once a prefill, a decode and a store instance are alive; else 503."""
-        counts = registry.counts()
+        counts = self.registry.counts()
         ok = all(counts[role] > 0 for role in INSTANCE_ROLES)
         body = {"status": "ok" if ok else "waiting for instances", "instances": counts}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+
+def build_app(config: ServerConfig) -> FastAPI:
+    """The conductor's HTTP app; the tokenizer is loaded when it starts (lifespan)."""
+    conductor = Conductor(config)
+    secret = config.cluster_secret
+    app = FastAPI(title="mooncake-server conductor", lifespan=conductor.lifespan)
+    install_error_handlers(app)
+    install_api_guard(app, api_key=config.api_key, secret=secret,
+                      max_body_bytes=conductor.limits.max_body_bytes)
+    app.state.registry = conductor.registry
+    app.state.store_master = conductor.store_master
+    for router in (registry_router(conductor.registry, secret),
+                   operator_router(conductor.current_path, secret),
+                   master_router(conductor.store_master, secret),
+                   local_cache_router(conductor.local_caches, secret)):
+        app.include_router(router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 once a prefill, a decode and a store instance are alive; else 503."""
+        return conductor.health()
+
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        """Prometheus metrics of the API layer and the registry."""
-        return metrics_response(prom)
+        """Prometheus metrics of the API layer, the registry, the scheduler and the moves."""
+        return metrics_response(conductor.prom)
 
     return app
