@@ -34,10 +34,12 @@ class TokenEvent:
 class BackendError(Exception):
     """A failure the API layer turns into an OpenAI error body with `status`."""
 
-    def __init__(self, message: str, status: int = 503, code: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 503, code: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.retry_after_s = retry_after_s  # sent as Retry-After (an overload that will pass)
 
 
 class Backend(Protocol):

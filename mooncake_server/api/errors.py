@@ -74,9 +74,8 @@ class APIError(Exception):
     def from_backend(cls, exc: BackendError) -> APIError:
         """Map a backend failure (its status and code) onto the API error shape."""
         headers = None
-        retry_after = getattr(exc, "retry_after_s", None)
-        if retry_after is not None:
-            headers = {"Retry-After": str(max(1, round(float(retry_after))))}
+        if exc.retry_after_s is not None:
+            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
         return cls(str(exc), exc.status, code=exc.code, headers=headers)
 
 

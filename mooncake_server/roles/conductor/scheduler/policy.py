@@ -66,8 +66,7 @@ class SLORejected(BackendError):
     """No instance pair can meet the SLOs: HTTP 429 with `Retry-After`, before any work."""
 
     def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message, 429, code="slo_unattainable")
-        self.retry_after_s = retry_after_s
+        super().__init__(message, 429, code="slo_unattainable", retry_after_s=retry_after_s)
 
 
 class Plan(NamedTuple):
