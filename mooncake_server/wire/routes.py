@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Generic, TypeVar, get_type_hints
+from typing import Annotated, Any, Generic, TypeVar, get_type_hints
 
 import httpx
 from fastapi import APIRouter, FastAPI
 from fastapi.params import Depends
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from mooncake_server.wire.index import (
     StoreLocate,
@@ -45,6 +45,7 @@ from mooncake_server.wire.jobs import (
     DecodeRelease,
     DecodeReserve,
     DecodeReserveReply,
+    ErrorEvent,
     PrefillCacheReport,
     PrefillCacheReportReply,
     PrefillJob,
@@ -94,12 +95,14 @@ class Route(Generic[Req, Rep]):
     def _adapter(self) -> TypeAdapter[Any]:
         return TypeAdapter(self.reply)
 
-    def parse(self, raw: bytes | str) -> Rep:
+    def parse(self, raw: bytes | str, url: str = "") -> Rep:
         """A reply body (or one stream line) as the reply type; InvalidReply if it is not."""
         try:
             return self._adapter.validate_json(raw)
         except ValidationError as exc:
-            raise InvalidReply(self, "", f"invalid reply from {self.path}: {exc}") from exc
+            where = url or self.path
+            raise InvalidReply(self, where, f"{where} sent an invalid reply: "
+                               f"{exc.errors(include_url=False)[:3]}") from exc
 
 
 # --- conductor: registry -----------------------------------------------------------------------
@@ -125,8 +128,10 @@ REQUESTS = Route("/internal/requests", None, list[RunningRequest], method="GET")
 
 # --- prefill and decode instances --------------------------------------------------------------
 PREFILL = Route("/internal/prefill", PrefillJob, PrefillResult)
-# NOTE: one DecodeEvent per line, or one ErrorEvent line ({"error": ...}) that ends the stream.
-DECODE = Route("/internal/decode", DecodeJob, DecodeEvent, stream=True)
+# One DecodeEvent per line, or one ErrorEvent line ({"error": ...}) that ends the stream.
+# NOTE: left to right, so a line with an "error" is an error whatever else it carries.
+DecodeLine = Annotated[ErrorEvent | DecodeEvent, Field(union_mode="left_to_right")]
+DECODE = Route("/internal/decode", DecodeJob, DecodeLine, stream=True)
 DECODE_RESERVE = Route("/internal/decode/reserve", DecodeReserve, DecodeReserveReply)
 DECODE_RELEASE = Route("/internal/decode/release", DecodeRelease, dict[str, bool])
 
@@ -216,10 +221,7 @@ async def call_at(http: httpx.AsyncClient, url: str, route: Route[Any, Rep],
                   timeout: Any = httpx.USE_CLIENT_DEFAULT) -> Rep:
     """`call` where the caller already holds the route's full URL."""
     response = await _answer(http, url, route, body, headers, timeout)
-    try:
-        return route.parse(response.content)
-    except InvalidReply as exc:
-        raise InvalidReply(route, url, f"{url} sent an invalid reply: {exc}") from exc.__cause__
+    return route.parse(response.content, url)
 
 
 async def call(http: httpx.AsyncClient, base_url: str, route: Route[Any, Rep],
@@ -247,23 +249,32 @@ async def open_stream(http: httpx.AsyncClient, base_url: str, route: Route[Any, 
                       headers: Mapping[str, str] | None = None,
                       timeout: Any = httpx.USE_CLIENT_DEFAULT) -> AsyncIterator[
                           AsyncIterator[str]]:
-    """Open a stream route; yields its lines (raw text: parse each with `route.parse`).
+    """Open a stream route; yields an iterator of its lines (raw: `route.parse` each one).
 
-    Opening raises PeerRefused (the body read) or PeerUnreachable; a connection lost while the
-    lines are read raises PeerUnreachable from the iteration.
+    Opening raises PeerRefused (its body read) or PeerUnreachable; a connection lost while the
+    lines are read raises PeerUnreachable from the iteration. Leaving the block closes it.
     """
     url = route.url(base_url)
     content = _content(route, body)
     sent = {**(headers or {}), **(_JSON if content is not None else {})}
+    request = http.build_request(route.method, url, content=content, headers=sent,
+                                 timeout=timeout)
     try:
-        async with http.stream(route.method, url, content=content, headers=sent,
-                               timeout=timeout) as response:
-            if not response.is_success:
-                await response.aread()
-                raise _refused(route, url, response)
-            yield _lines(route, url, response)
+        response = await http.send(request, stream=True)
     except httpx.TransportError as exc:
         raise PeerUnreachable(route, url, f"{url} unreachable: {exc!r}") from exc
+    except httpx.HTTPError as exc:
+        raise CallError(route, url, f"{url} failed: {exc!r}") from exc
+    try:
+        if not response.is_success:
+            try:
+                await response.aread()
+            except httpx.HTTPError as exc:
+                raise PeerUnreachable(route, url, f"{url} failed mid-answer: {exc!r}") from exc
+            raise _refused(route, url, response)
+        yield _lines(route, url, response)
+    finally:
+        await response.aclose()
 
 
 async def _lines(route: Route[Any, Any], url: str,
@@ -276,17 +287,17 @@ async def _lines(route: Route[Any, Any], url: str,
 
 
 # --- server side -------------------------------------------------------------------------------
-Handler = Callable[..., Any]
+RouteHandler = Callable[..., Any]
 
 
 def serve(app: FastAPI | APIRouter, route: Route[Any, Any], *,
           dependencies: Sequence[Depends] | None = None,
-          name: str | None = None) -> Callable[[Handler], Handler]:
+          name: str | None = None) -> Callable[[RouteHandler], RouteHandler]:
     """Decorator: register the handler under `route` (FastAPI validates its body and documents
     the reply type); TypeError at build time if the handler does not take the route's request.
     """
 
-    def register(handler: Handler) -> Handler:
+    def register(handler: RouteHandler) -> RouteHandler:
         check_takes(handler, route)
         app.add_api_route(
             route.path, handler, methods=[route.method], dependencies=dependencies,
@@ -298,7 +309,7 @@ def serve(app: FastAPI | APIRouter, route: Route[Any, Any], *,
     return register
 
 
-def check_takes(handler: Handler, route: Route[Any, Any]) -> None:
+def check_takes(handler: RouteHandler, route: Route[Any, Any]) -> None:
     """TypeError unless `handler`'s parameters include one of type `route.request` (if any)."""
     if route.request is None:
         return
