@@ -1,1 +1,2 @@
-"""What every instance process (prefill, decode, store) shares: registration, draining, heap, engine set-up."""
+"""What every instance process (prefill, decode, store, colocated) shares: the app skeleton
+(lifespan, /health, /metrics), registration, draining, heap, engine set-up."""

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
 import httpx
 
 from mooncake_server.config import ServerConfig
+from mooncake_server.engine.core_budget import no_team_on_this_thread
+from mooncake_server.engine.factory import ModelInfo, build_runner
+from mooncake_server.engine.model_runner import ModelRunner
+from mooncake_server.instance.app import Starting
+from mooncake_server.store_client.kv_link import KVStoreLink
 from mooncake_server.transfer import TransferEngine
 from mooncake_server.wire.auth import secret_headers
 
@@ -36,3 +45,35 @@ def control_timeout_s(config: ServerConfig) -> float:
     """How long one control call may take. NOTE: a peer behind a dead link never answers on a
     kept-alive connection (no reset arrives), so only a read timeout ends the wait."""
     return max(5.0, 2 * config.transfer_timeout_s)
+
+
+@dataclass
+class EngineParts:
+    """What an engine role runs on: model runner, forward thread, store link, control client."""
+
+    engine: TransferEngine
+    executor: ThreadPoolExecutor
+    runner: ModelRunner
+    info: ModelInfo
+    http: httpx.AsyncClient
+    link: KVStoreLink
+
+
+async def start_engine(starting: Starting, name: str) -> EngineParts:
+    """Build the engine parts of role `name`; they close, at shutdown, in the reverse order
+    (store link, control client, forward thread, core budget, transfer engine last)."""
+    config, stack = starting.config, starting.stack
+    no_team_on_this_thread()  # the event loop samples; the forward thread computes
+    engine = make_transfer_engine(config, serve=False)
+    stack.callback(engine.close)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-forward")
+    runner, info = await asyncio.to_thread(
+        build_runner, config, lambda nbytes: engine.alloc_shared(f"{name}-kv", nbytes))
+    stack.callback(runner.cores.close)
+    stack.callback(executor.shutdown, wait=True)
+    http = internal_client(config)
+    stack.push_async_callback(http.aclose)
+    link = KVStoreLink(runner.kv, engine, http, config.cluster_secret,
+                       config.conductor_url or "")
+    stack.push_async_callback(link.aclose)
+    return EngineParts(engine, executor, runner, info, http, link)

@@ -10,11 +10,24 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import httpx
+from pydantic import BaseModel
 
 from mooncake_server.wire.auth import secret_headers
 from mooncake_server.wire.instances import Deregister, Drain, Heartbeat, InstanceInfo
+from mooncake_server.wire.routes import (
+    DEREGISTER,
+    DRAIN,
+    HEARTBEAT,
+    REGISTER,
+    CallError,
+    PeerRefused,
+    PeerUnreachable,
+    Route,
+    send,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +83,10 @@ class Registrar:
         if self._http is None:
             return
         try:
-            await self._http.post(
-                f"{self.conductor_url}/internal/deregister", headers=self._headers, timeout=1.0,
-                json=Deregister(instance_id=self.info.instance_id).model_dump(mode="json"))
-        except httpx.HTTPError as exc:
+            await send(self._http, self.conductor_url, DEREGISTER,
+                       Deregister(instance_id=self.info.instance_id), headers=self._headers,
+                       timeout=1.0)
+        except CallError as exc:
             log.debug("deregistration of %s failed: %s", self.info.instance_id, exc)
         if self._own_http:
             await self._http.aclose()
@@ -84,19 +97,21 @@ class Registrar:
         if self._http is None:
             return False
         try:
-            r = await self._http.post(
-                f"{self.conductor_url}/internal/drain", headers=self._headers, timeout=2.0,
-                json=Drain(instance_id=self.info.instance_id).model_dump(mode="json"))
-        except httpx.HTTPError as exc:
+            await send(self._http, self.conductor_url, DRAIN,
+                       Drain(instance_id=self.info.instance_id), headers=self._headers,
+                       timeout=2.0)
+        except PeerRefused:
+            return False
+        except CallError as exc:
             log.warning("drain notice of %s failed: %s", self.info.instance_id, exc)
             return False
-        return r.is_success
+        return True
 
-    async def _post(self, path: str, body: dict[str, object]) -> httpx.Response:
+    async def _send(self, route: Route[Any, Any], body: BaseModel) -> None:
+        # NOTE: only success matters here: a conductor's reply carries nothing we keep.
         if self._http is None:
             raise RuntimeError("Registrar.start() must be called first")
-        return await self._http.post(f"{self.conductor_url}{path}", json=body,
-                                     headers=self._headers)
+        await send(self._http, self.conductor_url, route, body, headers=self._headers)
 
     async def _register_until_ok(self) -> None:
         delay = 0.1
@@ -104,20 +119,21 @@ class Registrar:
         while True:
             attempt += 1
             try:
-                r = await self._post("/internal/register", self.info.model_dump(mode="json"))
-            except httpx.TransportError as exc:
-                problem = f"conductor unreachable ({type(exc).__name__}: {exc})"
-            else:
-                if r.is_success:
-                    self.registrations += 1
-                    log.info("registered %s %s with %s", self.info.role, self.info.instance_id,
-                             self.conductor_url)
-                    return
-                if r.status_code in (400, 401, 403, 422):
+                await self._send(REGISTER, self.info)
+            except PeerUnreachable as exc:
+                cause = exc.__cause__
+                problem = f"conductor unreachable ({type(cause).__name__}: {cause})"
+            except PeerRefused as exc:
+                if exc.status in (400, 401, 403, 422):
                     raise RegistrationError(
                         f"conductor {self.conductor_url} refused {self.info.instance_id}: "
-                        f"HTTP {r.status_code} {r.text[:300]}")
-                problem = f"HTTP {r.status_code}"
+                        f"HTTP {exc.status} {exc.body}") from None
+                problem = f"HTTP {exc.status}"
+            else:
+                self.registrations += 1
+                log.info("registered %s %s with %s", self.info.role, self.info.instance_id,
+                         self.conductor_url)
+                return
             # One warning, then quiet retries: a conductor starting late is normal.
             (log.warning if attempt == 1 else log.debug)(
                 "registering %s: %s; retrying", self.info.instance_id, problem)
@@ -139,16 +155,20 @@ class Registrar:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                r = await self._post("/internal/heartbeat", self._current_load().model_dump())
-            except httpx.TransportError as exc:
+                await self._send(HEARTBEAT, self._current_load())
+                status = 200
+            except PeerUnreachable as exc:
                 if not failing:
-                    log.warning("heartbeat of %s failed: %s", self.info.instance_id, exc)
+                    log.warning("heartbeat of %s failed: %s", self.info.instance_id,
+                                exc.__cause__)
                 failing = True
                 continue
+            except PeerRefused as exc:
+                status = exc.status or 0
             if failing:
                 log.info("heartbeat of %s recovered", self.info.instance_id)
                 failing = False
-            if r.status_code == 404:
+            if status == 404:
                 log.info("conductor does not know %s (restarted?); registering again",
                          self.info.instance_id)
                 try:
@@ -156,5 +176,5 @@ class Registrar:
                 except RegistrationError:
                     log.exception("re-registration refused; heartbeats stop")
                     return
-            elif not r.is_success:
-                log.warning("heartbeat of %s: HTTP %d", self.info.instance_id, r.status_code)
+            elif status != 200:
+                log.warning("heartbeat of %s: HTTP %d", self.info.instance_id, status)

@@ -22,7 +22,6 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel
 
-from mooncake_server.roles.store.service import StoreOp
 from mooncake_server.transfer import (
     Op,
     TransferEngine,
@@ -31,12 +30,14 @@ from mooncake_server.transfer import (
 )
 from mooncake_server.wire.auth import secret_headers
 from mooncake_server.wire.instances import StoreLocation
+from mooncake_server.wire.routes import STORE_ROUTES, CallError, InvalidReply, PeerRefused, call
 from mooncake_server.wire.rpc import RpcClient, RpcError
 from mooncake_server.wire.store_ops import (
     StoreExistsReply,
     StoreGet,
     StoreGetReply,
     StoreKeys,
+    StoreOp,
     StorePutEnd,
     StorePutEndReply,
     StorePutStart,
@@ -295,17 +296,17 @@ class StoreClient:
                 raise StoreError(f"store {self._location.instance_id} {op.name.lower()} "
                                  f"failed: {exc}") from exc
             return reply_type.model_validate_json(reply)
-        url = f"{self._base}/store/{op.name.lower()}"
         try:
-            response = await self._http.post(
-                url, content=payload, headers={**self._headers, "content-type": "application/json"})
-        except httpx.HTTPError as exc:
-            raise StoreError(f"store {self._location.instance_id} unreachable at {url}: "
-                             f"{exc!r}") from exc
-        if response.status_code != 200:
-            raise StoreError(f"store {op.name.lower()} failed: HTTP {response.status_code}: "
-                             f"{response.text[:300]}")
-        return reply_type.model_validate_json(response.content)
+            return await call(self._http, self._base, STORE_ROUTES[op], body,
+                              headers=self._headers)
+        except PeerRefused as exc:
+            raise StoreError(f"store {op.name.lower()} failed: HTTP {exc.status}: "
+                             f"{exc.body}") from exc
+        except InvalidReply:
+            raise
+        except CallError as exc:
+            raise StoreError(f"store {self._location.instance_id} unreachable at {exc.url}: "
+                             f"{exc.__cause__!r}") from exc
 
     async def aclose(self) -> None:
         """Wait for lease releases in flight, then close the control connection."""

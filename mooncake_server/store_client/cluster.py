@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel
@@ -23,13 +23,18 @@ from pydantic import BaseModel
 from mooncake_server.store_client.client import StoreClient, StoreError
 from mooncake_server.transfer import TransferEngine
 from mooncake_server.wire.auth import secret_headers
-from mooncake_server.wire.index import (
-    StoreLocate,
-    StoreLocateReply,
-    StorePlaceReply,
-    StorePrefixReply,
-)
+from mooncake_server.wire.index import StoreLocate, StorePlaceReply
 from mooncake_server.wire.instances import StoreLocation
+from mooncake_server.wire.routes import (
+    INDEX_LOCATE,
+    INDEX_PLACE,
+    INDEX_PREFIX,
+    CallError,
+    InvalidReply,
+    PeerRefused,
+    Route,
+    call,
+)
 from mooncake_server.wire.store_ops import StoreKeys
 
 logger = logging.getLogger(__name__)
@@ -48,11 +53,11 @@ class StoreCluster:
     def __init__(self, master_url: str, engine: TransferEngine, http: httpx.AsyncClient,
                  secret: str, *, clock: Callable[[], float] = time.monotonic) -> None:
         """Ask the index at `master_url` (the conductor); `engine` and `http` are the caller's."""
-        self._master = master_url.rstrip("/") + "/internal/store"
+        self._master = master_url
         self._engine = engine
         self._http = http
         self._secret = secret
-        self._headers = {**secret_headers(secret), "content-type": "application/json"}
+        self._headers = secret_headers(secret)
         self._clients: dict[str, StoreClient] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._suspect: dict[str, float] = {}
@@ -80,12 +85,12 @@ class StoreCluster:
         """Leading keys held by some live node (one call to the index)."""
         if not keys:
             return 0
-        reply = await self._ask("/prefix", StoreKeys(keys=keys), StorePrefixReply)
+        reply = await self._ask(INDEX_PREFIX, StoreKeys(keys=keys))
         return reply.prefix
 
     async def place(self, keys: list[str]) -> StorePlaceReply:
         """Where new keys go: K target nodes per key (one call to the index)."""
-        return await self._ask("/place", StoreKeys(keys=keys), StorePlaceReply)
+        return await self._ask(INDEX_PLACE, StoreKeys(keys=keys))
 
     async def get(self, keys: list[str], addrs: list[int], sizes: list[int], *,
                   fallback: bool = True) -> int:
@@ -98,8 +103,7 @@ class StoreCluster:
             raise ValueError("get: keys, addrs and sizes must have the same length")
         if not keys:
             return 0
-        where = await self._ask("/locate", StoreLocate(keys=keys, fallback=fallback),
-                                StoreLocateReply)
+        where = await self._ask(INDEX_LOCATE, StoreLocate(keys=keys, fallback=fallback))
         run = next((i for i, r in enumerate(where.replicas) if not r), len(keys))
         options = [self._order([r.node_id for r in where.replicas[i]]) for i in range(run)]
         got = [False] * run
@@ -132,7 +136,7 @@ class StoreCluster:
             raise ValueError("put: keys, addrs, sizes and checksums must have the same length")
         if not keys:
             return []
-        place = await self._ask("/place", StoreKeys(keys=keys), StorePlaceReply)
+        place = await self._ask(INDEX_PLACE, StoreKeys(keys=keys))
         if not place.nodes:
             raise StoreUnavailable(f"no live store node can take {len(keys)} blocks")
         groups: dict[str, list[int]] = {}
@@ -152,7 +156,7 @@ class StoreCluster:
         """Remove keys from every node that holds them (best effort per node)."""
         if not keys:
             return
-        where = await self._ask("/locate", StoreLocate(keys=keys), StoreLocateReply)
+        where = await self._ask(INDEX_LOCATE, StoreLocate(keys=keys))
         groups: dict[str, list[str]] = {}
         for key, reps in zip(keys, where.replicas):
             for r in reps:
@@ -195,12 +199,16 @@ class StoreCluster:
             self._failed(loc.instance_id, exc)
             return [False] * len(idx)
 
-    async def _ask(self, path: str, body: BaseModel, reply_type: type[_Reply]) -> _Reply:
-        url = self._master + path
+    async def _ask(self, route: Route[Any, _Reply], body: BaseModel) -> _Reply:
+        """One call to the index; StoreError unless it answers (an invalid reply stays a
+        ValueError, as a bug on either side)."""
         try:
-            r = await self._http.post(url, content=body.model_dump_json(), headers=self._headers)
-        except httpx.HTTPError as exc:
-            raise StoreError(f"store index unreachable at {url}: {exc!r}") from exc
-        if r.status_code != 200:
-            raise StoreError(f"store index {path} failed: HTTP {r.status_code}: {r.text[:300]}")
-        return reply_type.model_validate_json(r.content)
+            return await call(self._http, self._master, route, body, headers=self._headers)
+        except PeerRefused as exc:
+            raise StoreError(f"store index {route.path} failed: HTTP {exc.status}: "
+                             f"{exc.body}") from exc
+        except InvalidReply:
+            raise
+        except CallError as exc:
+            raise StoreError(f"store index unreachable at {exc.url}: "
+                             f"{exc.__cause__!r}") from exc

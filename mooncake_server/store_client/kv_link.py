@@ -22,8 +22,6 @@ class KVStoreLink:
         """Blocks of `kv`; `master_url` is the conductor holding the global store index."""
         self.kv = kv
         self.engine = engine
-        self.http = http
-        self.secret = secret
         self.cluster = StoreCluster(master_url, engine, http, secret)
 
     def client(self, loc: StoreLocation) -> StoreClient:

@@ -6,9 +6,21 @@ move through the transfer engine.
 
 from __future__ import annotations
 
+import enum
+
 from pydantic import BaseModel, Field
 
-# Store control plane (prefill / decode -> store). Offsets are into the store's registered segment.
+
+class StoreOp(enum.IntEnum):
+    """The store's control calls: RPC op codes, and the names of their HTTP routes."""
+
+    PUT_START = 1
+    PUT_END = 2
+    PUT_ABORT = 3
+    GET = 4
+    RELEASE = 5
+    EXISTS = 6
+    REMOVE = 7
 
 
 class StoreKeys(BaseModel):

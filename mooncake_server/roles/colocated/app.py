@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -24,9 +22,9 @@ from mooncake_server.config import ServerConfig
 from mooncake_server.engine.core_budget import no_team_on_this_thread
 from mooncake_server.engine.factory import build_runner
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
+from mooncake_server.instance.app import Starting, instance_app
 from mooncake_server.model_assets import resolve_model, served_name
 from mooncake_server.roles.colocated.backend import LocalEngineBackend
-from mooncake_server.wire.auth import metrics_response
 
 log = logging.getLogger(__name__)
 
@@ -46,33 +44,19 @@ def build_app(config: ServerConfig) -> FastAPI:
                       config.prefill_chunk_tokens, config.decode_chunk_tokens)
     backend = LocalEngineBackend(loop, info.max_model_len)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def start(starting: Starting) -> None:
         no_team_on_this_thread()  # the event loop samples; the forward thread computes
+        stack = starting.stack
+        stack.callback(runner.cores.close)
+        stack.push_async_callback(asyncio.to_thread, executor.shutdown, True)
         loop.start()
+        stack.push_async_callback(loop.stop)
         log.info("colocated engine ready: %s", info.name)
-        try:
-            yield
-        finally:
-            await loop.stop()
-            await asyncio.to_thread(executor.shutdown, True)
-            runner.cores.close()
 
-    app = FastAPI(title="mooncake-server colocated", lifespan=lifespan)
+    app = instance_app(config, "mooncake-server colocated", registry, start)
     install_api(app, backend, tokenizer, served_name(config.model, config.served_model_name),
                 info.max_model_len, registry,
                 eos_token_ids=load_eos_token_ids(model_path, tokenizer),
                 limits=RequestLimits.from_config(config), api_key=config.api_key,
                 secret=config.cluster_secret, log_prompts=config.log_prompts)
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        """Liveness."""
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def get_metrics():
-        """Prometheus metrics."""
-        return metrics_response(registry)
-
     return app

@@ -26,6 +26,7 @@ from mooncake_server.wire.instances import (
     InstanceInfo,
     InstanceStatus,
 )
+from mooncake_server.wire.routes import DEREGISTER, DRAIN, HEARTBEAT, INSTANCES, REGISTER, serve
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +177,10 @@ class InstanceRegistry:
 
 
 def registry_router(registry: InstanceRegistry, secret: str) -> APIRouter:
-    """Routes: POST /internal/{register,heartbeat,drain,deregister}, GET /internal/instances."""
-    router = APIRouter(prefix="/internal", dependencies=[Depends(require_secret(secret))])
+    """Routes: REGISTER, HEARTBEAT, DRAIN, DEREGISTER, INSTANCES (wire/routes.py)."""
+    router = APIRouter(dependencies=[Depends(require_secret(secret))])
 
-    @router.post("/register")
+    @serve(router, REGISTER)
     async def register(info: InstanceInfo) -> InstanceStatus:
         """Register (or re-register) an instance."""
         try:
@@ -191,24 +192,24 @@ def registry_router(registry: InstanceRegistry, secret: str) -> APIRouter:
             raise HTTPException(status_code=503, detail="registration lost; retry")
         return status
 
-    @router.post("/heartbeat")
+    @serve(router, HEARTBEAT)
     async def heartbeat(beat: Heartbeat) -> dict[str, bool]:
         """Liveness + load; 404 tells the instance to register again."""
         if not registry.heartbeat(beat):
             raise HTTPException(status_code=404, detail=f"unknown instance {beat.instance_id}")
         return {"ok": True}
 
-    @router.post("/drain")
+    @serve(router, DRAIN)
     async def drain(body: Drain) -> dict[str, bool]:
         """An instance got SIGTERM: route nothing new to it."""
         return {"ok": registry.drain(body.instance_id)}
 
-    @router.post("/deregister")
+    @serve(router, DEREGISTER)
     async def deregister(body: Deregister) -> dict[str, bool]:
         """An instance shutting down gracefully."""
         return {"ok": registry.deregister(body.instance_id)}
 
-    @router.get("/instances")
+    @serve(router, INSTANCES)
     async def instances() -> list[InstanceStatus]:
         """All known instances."""
         return registry.snapshot()

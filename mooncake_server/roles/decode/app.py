@@ -22,31 +22,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
-from functools import partial
-from typing import Any
+from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.engine.core_budget import no_team_on_this_thread
-from mooncake_server.engine.factory import build_runner
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
 from mooncake_server.engine.sequence import SeqStatus, Sequence
-from mooncake_server.instance.drain import wait_until_idle
-from mooncake_server.instance.engine_role import instance_id, internal_client, make_transfer_engine
-from mooncake_server.instance.registrar import Registrar
+from mooncake_server.instance.app import Starting, instance_app
+from mooncake_server.instance.engine_role import instance_id, start_engine
 from mooncake_server.roles.conductor.scheduler import load_perf_model
 from mooncake_server.roles.decode.admission import AdmissionRefused, DecodeAdmission
 from mooncake_server.roles.decode.writeback import BlockWriteBack, WriteBackLoop, WriteBackMetrics
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.store_client.kv_link import KVStoreLink
 from mooncake_server.transfer import TransferError
-from mooncake_server.wire.auth import metrics_response, require_secret
+from mooncake_server.wire.auth import require_secret
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 from mooncake_server.wire.jobs import (
     DecodeEvent,
@@ -56,6 +50,7 @@ from mooncake_server.wire.jobs import (
     DecodeReserveReply,
     ErrorEvent,
 )
+from mooncake_server.wire.routes import DECODE, DECODE_RELEASE, DECODE_RESERVE, serve
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +174,27 @@ class DecodeService:
             self._release(seq.request_id)
 
 
+@dataclass
+class DecodeState:
+    """What the decode routes read: the failure counter, and the service once started."""
+
+    failures: Counter
+    service: DecodeService | None = None
+
+    def running(self) -> DecodeService:
+        """The service (only None before start-up, when uvicorn serves no request)."""
+        if self.service is None:
+            raise HTTPException(503, "decode instance is starting")
+        return self.service
+
+    def admission(self) -> DecodeAdmission:
+        """The running service's admission control."""
+        admission = self.running().admission
+        if admission is None:  # NOTE: the lifespan sets it before serving
+            raise HTTPException(503, "decode instance is starting")
+        return admission
+
+
 def build_app(config: ServerConfig) -> FastAPI:
     """The decode instance's internal HTTP API."""
     registry = CollectorRegistry()
@@ -192,57 +208,39 @@ def build_app(config: ServerConfig) -> FastAPI:
                          "Prompt tokens whose KV the store no longer held, recomputed here",
                          registry=registry)
     writeback_metrics = WriteBackMetrics(registry)
-    state: dict[str, Any] = {}
+    state = DecodeState(failures)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        no_team_on_this_thread()  # the event loop samples; the forward thread computes
-        engine = make_transfer_engine(config, serve=False)
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode-forward")
-        runner, info = await asyncio.to_thread(
-            build_runner, config, lambda nbytes: engine.alloc_shared("decode-kv", nbytes))
-        http = internal_client(config)
-        link = KVStoreLink(runner.kv, engine, http, config.cluster_secret,
-                           config.conductor_url or "")
-        writeback = BlockWriteBack(runner.kv, link, writeback_metrics)
-        loop = WriteBackLoop(runner, executor, engine_metrics, config.max_batch_size,
+    async def start(starting: Starting) -> None:
+        parts = await start_engine(starting, "decode")
+        runner = parts.runner
+        writeback = BlockWriteBack(runner.kv, parts.link, writeback_metrics)
+        starting.stack.push_async_callback(writeback.close, config.transfer_timeout_s)
+        loop = WriteBackLoop(runner, parts.executor, engine_metrics, config.max_batch_size,
                              config.prefill_chunk_tokens, config.decode_chunk_tokens,
                              writeback=writeback)
         loop.start()
-        state["service"] = service = DecodeService(loop, link, info.max_model_len, failures,
-                                                   verified, recomputed)
-        service.admission = _admission(config, runner.kv.num_blocks, info.max_model_len)
+        starting.stack.push_async_callback(loop.stop)
+        service = DecodeService(loop, parts.link, parts.info.max_model_len, failures, verified,
+                                recomputed)
+        service.admission = _admission(config, runner.kv.num_blocks, parts.info.max_model_len)
         service.writeback = writeback
         loop.step_observer = service.admission.observe_step
-        registrar = Registrar(
-            config.conductor_url or "", InstanceInfo(
-                instance_id=instance_id(config), role="decode", url=config.base_url,
-                model=info.name),
-            config.cluster_secret, config.heartbeat_interval_s,
+        state.service = service
+        info = InstanceInfo(instance_id=instance_id(config), role="decode", url=config.base_url,
+                            model=parts.info.name)
+        await starting.join(
+            info, busy=lambda: service.streams > 0 or any(loop.load), what="decode streams",
             load=lambda: Heartbeat(instance_id=instance_id(config), running=loop.load[0],
                                    waiting=loop.load[1], free_blocks=runner.kv.num_free))
-        await registrar.start()
-        app.state.drain = partial(_drain, registrar, service, config.drain_timeout_s)
         log.info("decode instance %s ready", instance_id(config))
-        try:
-            yield
-        finally:
-            await registrar.stop()
-            await loop.stop()
-            await writeback.close(config.transfer_timeout_s)
-            await link.aclose()
-            await http.aclose()
-            executor.shutdown(wait=True)
-            runner.cores.close()
-            engine.close()
 
-    app = FastAPI(title="mooncake-server decode", lifespan=lifespan)
+    app = instance_app(config, "mooncake-server decode", registry, start)
     guard = Depends(require_secret(config.cluster_secret))
 
-    @app.post("/internal/decode", dependencies=[guard])
+    @serve(app, DECODE, dependencies=[guard])
     async def decode(job: DecodeJob) -> StreamingResponse:
         """Load a prefilled request and stream its remaining tokens as NDJSON."""
-        service: DecodeService = state["service"]
+        service = state.running()
         try:
             seq = await service.admit(job)
         except AdmissionRefused as exc:
@@ -257,10 +255,10 @@ def build_app(config: ServerConfig) -> FastAPI:
         return StreamingResponse(service.stream(seq, 1 + len(job.generated_token_ids)),
                                  media_type="application/x-ndjson")
 
-    @app.post("/internal/decode/reserve", dependencies=[guard])
+    @serve(app, DECODE_RESERVE, dependencies=[guard])
     async def reserve(body: DecodeReserve) -> DecodeReserveReply:
         """Admission before prefill: hold room for a request, or 503 if KV / TBT do not allow."""
-        admission: DecodeAdmission = state["service"].admission
+        admission = state.admission()
         try:
             admission.reserve(body.request_id, body.prompt_tokens, body.max_tokens)
         except AdmissionRefused as exc:
@@ -268,30 +266,13 @@ def build_app(config: ServerConfig) -> FastAPI:
             raise HTTPException(503, f"decode admission refused: {exc}") from exc
         return DecodeReserveReply(ttl_s=admission.ttl_s)
 
-    @app.post("/internal/decode/release", dependencies=[guard])
+    @serve(app, DECODE_RELEASE, dependencies=[guard])
     async def release(body: DecodeRelease) -> dict[str, bool]:
         """Drop a reservation whose decode job will not come."""
-        state["service"].admission.release(body.request_id)
+        state.admission().release(body.request_id)
         return {"released": True}
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        """Liveness."""
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def get_metrics():
-        """Prometheus metrics."""
-        return metrics_response(registry)
-
     return app
-
-
-async def _drain(registrar: Registrar, service: DecodeService, timeout_s: float) -> None:
-    """SIGTERM: the conductor sends nothing new; running streams finish (bounded)."""
-    await registrar.drain()
-    await wait_until_idle(lambda: service.streams > 0 or any(service.loop.load), timeout_s,
-                          "decode streams")
 
 
 def _admission(config: ServerConfig, total_blocks: int, max_model_len: int) -> DecodeAdmission:

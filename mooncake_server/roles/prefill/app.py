@@ -16,33 +16,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 from fastapi import Depends, FastAPI, HTTPException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.engine.core_budget import machine_cores, no_team_on_this_thread
-from mooncake_server.engine.factory import build_runner
+from mooncake_server.engine.core_budget import machine_cores
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
 from mooncake_server.engine.sampler import sample_token
 from mooncake_server.engine.sequence import Sequence
-from mooncake_server.instance.drain import wait_until_idle
-from mooncake_server.instance.engine_role import instance_id, internal_client, make_transfer_engine
-from mooncake_server.instance.registrar import Registrar
+from mooncake_server.instance.app import Starting, instance_app
+from mooncake_server.instance.engine_role import instance_id, start_engine
 from mooncake_server.roles.prefill.cache_report import CacheReporter
 from mooncake_server.roles.prefill.kv_stream import LayerStream
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.store_client.kv_link import KVStoreLink
-from mooncake_server.wire.auth import metrics_response, require_secret
+from mooncake_server.wire.auth import require_secret
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 from mooncake_server.wire.jobs import PrefillJob, PrefillResult
+from mooncake_server.wire.routes import PREFILL, serve
 
 log = logging.getLogger(__name__)
 
@@ -252,61 +249,50 @@ class PrefillWorker:
             self.metrics.store_errors.labels("refused").inc()
 
 
-async def _drain(registrar: Registrar, worker: PrefillWorker, timeout_s: float) -> None:
-    """SIGTERM: the conductor sends no new job; queued and running ones finish (bounded)."""
-    await registrar.drain()
-    await wait_until_idle(lambda: worker.queued > 0, timeout_s, "prefill jobs")
+@dataclass
+class PrefillState:
+    """What the prefill routes read: the metrics, and the worker once the lifespan built it."""
+
+    metrics: PrefillMetrics
+    worker: PrefillWorker | None = None
+
+    def running(self) -> PrefillWorker:
+        """The worker (only None before start-up, when uvicorn serves no request)."""
+        if self.worker is None:
+            raise HTTPException(503, "prefill instance is starting")
+        return self.worker
 
 
 def build_app(config: ServerConfig) -> FastAPI:
     """The prefill instance's internal HTTP API."""
     registry = CollectorRegistry()
-    metrics = PrefillMetrics(registry)
-    state: dict[str, PrefillWorker] = {}
+    state = PrefillState(PrefillMetrics(registry))
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        no_team_on_this_thread()  # the event loop samples; the forward thread computes
-        engine = make_transfer_engine(config, serve=False)
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-forward")
-        runner, info = await asyncio.to_thread(
-            build_runner, config, lambda nbytes: engine.alloc_shared("prefill-kv", nbytes))
-        http = internal_client(config)
-        link = KVStoreLink(runner.kv, engine, http, config.cluster_secret,
-                           config.conductor_url or "")
-        worker = PrefillWorker(runner, link, executor, config, info.max_model_len, metrics)
+    async def start(starting: Starting) -> None:
+        parts = await start_engine(starting, "prefill")
+        worker = PrefillWorker(parts.runner, parts.link, parts.executor, config,
+                               parts.info.max_model_len, state.metrics)
         worker.reporter = CacheReporter(config.conductor_url or "", instance_id(config),
-                                        config.cluster_secret, worker.cache, http)
-        state["worker"] = worker
-        registrar = Registrar(
-            config.conductor_url or "", InstanceInfo(
-                instance_id=instance_id(config), role="prefill", url=config.base_url,
-                model=info.name),
-            config.cluster_secret, config.heartbeat_interval_s,
+                                        config.cluster_secret, worker.cache, parts.http)
+        state.worker = worker
+        info = InstanceInfo(instance_id=instance_id(config), role="prefill", url=config.base_url,
+                            model=parts.info.name)
+        await starting.join(
+            info, busy=lambda: worker.queued > 0, what="prefill jobs",
             load=lambda: Heartbeat(instance_id=instance_id(config), waiting=worker.queued,
                                    free_blocks=worker.cache.num_available))
-        await registrar.start()
-        app.state.drain = partial(_drain, registrar, worker, config.drain_timeout_s)
         await worker.reporter.flush()  # the conductor learns this (empty) cache's epoch
         log.info("prefill instance %s ready", instance_id(config))
-        try:
-            yield
-        finally:
-            await registrar.stop()
-            await link.aclose()
-            await http.aclose()
-            executor.shutdown(wait=True)
-            runner.cores.close()
-            engine.close()
 
-    app = FastAPI(title="mooncake-server prefill", lifespan=lifespan)
+    app = instance_app(config, "mooncake-server prefill", registry, start)
     guard = Depends(require_secret(config.cluster_secret))
 
-    @app.post("/internal/prefill", dependencies=[guard])
+    @serve(app, PREFILL, dependencies=[guard])
     async def prefill(job: PrefillJob) -> PrefillResult:
         """Run one prefill job."""
+        metrics = state.metrics
         try:
-            result = await state["worker"].run(job)
+            result = await state.running().run(job)
         except OutOfBlocks as exc:
             metrics.jobs.labels("no_kv_memory").inc()
             raise HTTPException(503, f"prefill KV cache full: {exc}") from exc
@@ -315,15 +301,5 @@ def build_app(config: ServerConfig) -> FastAPI:
             raise HTTPException(503, f"store transfer failed: {exc}") from exc
         metrics.jobs.labels("ok").inc()
         return result
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        """Liveness."""
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def get_metrics():
-        """Prometheus metrics."""
-        return metrics_response(registry)
 
     return app

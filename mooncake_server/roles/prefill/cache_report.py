@@ -14,18 +14,19 @@ import httpx
 
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 from mooncake_server.wire.auth import secret_headers
-from mooncake_server.wire.jobs import PrefillCacheReport, PrefillCacheReportReply
+from mooncake_server.wire.jobs import PrefillCacheReport
+from mooncake_server.wire.routes import PREFILL_CACHE_REPORT, CallError, call_at
 
 log = logging.getLogger(__name__)
 
 
 class CacheReporter:
-    """Posts one instance's cache changes to {conductor}/internal/prefill-cache/report."""
+    """Posts one instance's cache changes to the conductor (PREFILL_CACHE_REPORT)."""
 
     def __init__(self, conductor_url: str, instance_id: str, secret: str,
                  cache: LocalPrefixCache, http: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
-        self._url = conductor_url.rstrip("/") + "/internal/prefill-cache/report"
-        self._headers = {**secret_headers(secret), "content-type": "application/json"}
+        self._url = PREFILL_CACHE_REPORT.url(conductor_url)
+        self._headers = secret_headers(secret)
         self.instance_id = instance_id
         self.epoch = uuid.uuid4().hex
         self._cache = cache
@@ -46,11 +47,9 @@ class CacheReporter:
                                     seq=self._seq + 1, snapshot=snapshot, added=added,
                                     removed=removed)
         try:
-            r = await self._http.post(self._url, content=report.model_dump_json(),
-                                      headers=self._headers, timeout=self._timeout)
-            r.raise_for_status()
-            reply = PrefillCacheReportReply.model_validate_json(r.content)
-        except (httpx.HTTPError, ValueError) as exc:
+            reply = await call_at(self._http, self._url, PREFILL_CACHE_REPORT, report,
+                                  headers=self._headers, timeout=self._timeout)
+        except CallError as exc:
             log.warning("prefix cache report failed (kept for the next one): %r", exc)
             if not snapshot:
                 self._cache.restore_changes(added, removed)

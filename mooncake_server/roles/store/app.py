@@ -18,21 +18,18 @@ import contextlib
 import ctypes
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import httpx
-from fastapi import Depends, FastAPI, HTTPException, Response
+from fastapi import Depends, FastAPI, HTTPException
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.instance import engine_role
-from mooncake_server.instance.drain import wait_until_idle
-from mooncake_server.instance.registrar import Registrar
+from mooncake_server.instance.app import Starting, instance_app
 from mooncake_server.roles.store.keyed import EngineKeyedReads
 from mooncake_server.roles.store.metrics import NodeCollector
 from mooncake_server.roles.store.node import StoreNode
@@ -42,9 +39,10 @@ from mooncake_server.roles.store.service import Call, StoreService
 from mooncake_server.roles.store.ssd import SsdTier
 from mooncake_server.store_client.client import StoreClient, StoreError
 from mooncake_server.transfer import TransferEngine, crc32c_many
-from mooncake_server.wire.auth import metrics_response, require_secret
+from mooncake_server.wire.auth import require_secret
 from mooncake_server.wire.index import StoreReplicate, StoreReplicateReply
 from mooncake_server.wire.instances import InstanceInfo, StoreLocation
+from mooncake_server.wire.routes import STORE_REPLICATE, STORE_ROUTES, serve
 from mooncake_server.wire.rpc import RpcServer, RpcUnavailable
 
 logger = logging.getLogger(__name__)
@@ -74,77 +72,69 @@ class StoreRuntime:
         return self.node.table
 
 
-async def _drain(registrar: Registrar, node: StoreNode, timeout_s: float) -> None:
-    """SIGTERM: new blocks go to other nodes; readers holding leases here finish (bounded)."""
-    await registrar.drain()
-    await wait_until_idle(lambda: node.stats().active_leases > 0, timeout_s, "store leases")
-
-
 def build_app(config: ServerConfig) -> FastAPI:
     """The store role's FastAPI app; the lifespan owns the engine, the pool and registration."""
     instance_id = engine_role.instance_id(config)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def start(starting: Starting) -> None:
+        app, stack = starting.app, starting.stack
         engine = engine_role.make_transfer_engine(config, serve=True)
-        async with contextlib.AsyncExitStack() as stack:
-            stack.callback(engine.close)
-            pool = engine.alloc_shared(SEGMENT_NAME, config.store_memory_bytes)
-            pool_addr = ctypes.addressof(ctypes.c_char.from_buffer(pool))
-            ssd = None
-            if config.store_ssd_dir:
-                ssd = SsdTier(config.store_ssd_dir, config.store_ssd_capacity_bytes)
-                await ssd.open()
-                stack.push_async_callback(ssd.close)  # pending writes finish before exit
-            reporter: IndexReporter | None = None
-            node = StoreNode(pool, pool_addr, ssd=ssd, demote_after_s=config.store_demote_after_s,
-                             high_watermark=config.store_high_watermark,
-                             report=lambda entry: reporter.changed(entry) if reporter else None,
-                             keyed=EngineKeyedReads(engine, SEGMENT_NAME))
-            http = engine_role.internal_client(config)
-            stack.push_async_callback(http.aclose)
-            # Peers dial the advertised host, not the (possibly wildcard) listen address.
-            address = f"{config.public_host}:{engine.address.rsplit(':', 1)[1]}"
-            rpc = RpcServer(app.state.service.rpc_handlers(), config.secret_bytes)
-            control_port = await rpc.start(config.host, config.store_control_port)
-            stack.push_async_callback(rpc.close)
-            control = f"{config.public_host}:{control_port}"
-            location = StoreLocation(instance_id=instance_id, url=config.base_url,
-                                     transfer_address=address, segment=SEGMENT_NAME,
-                                     control_address=control)
-            runtime = StoreRuntime(engine, pool, node, location, http, config.cluster_secret)
-            app.state.store = runtime
+        stack.callback(engine.close)
+        pool = engine.alloc_shared(SEGMENT_NAME, config.store_memory_bytes)
+        pool_addr = ctypes.addressof(ctypes.c_char.from_buffer(pool))
+        ssd = None
+        if config.store_ssd_dir:
+            ssd = SsdTier(config.store_ssd_dir, config.store_ssd_capacity_bytes)
+            await ssd.open()
+            stack.push_async_callback(ssd.close)  # pending writes finish before exit
+        reporter: IndexReporter | None = None
+        node = StoreNode(pool, pool_addr, ssd=ssd, demote_after_s=config.store_demote_after_s,
+                         high_watermark=config.store_high_watermark,
+                         report=lambda entry: reporter.changed(entry) if reporter else None,
+                         keyed=EngineKeyedReads(engine, SEGMENT_NAME))
+        http = engine_role.internal_client(config)
+        stack.push_async_callback(http.aclose)
+        # Peers dial the advertised host, not the (possibly wildcard) listen address.
+        address = f"{config.public_host}:{engine.address.rsplit(':', 1)[1]}"
+        rpc = RpcServer(service.rpc_handlers(), config.secret_bytes)
+        control_port = await rpc.start(config.host, config.store_control_port)
+        stack.push_async_callback(rpc.close)
+        control = f"{config.public_host}:{control_port}"
+        location = StoreLocation(instance_id=instance_id, url=config.base_url,
+                                 transfer_address=address, segment=SEGMENT_NAME,
+                                 control_address=control)
+        runtime = StoreRuntime(engine, pool, node, location, http, config.cluster_secret)
+        app.state.store = runtime
+        stack.push_async_callback(_cancel, asyncio.create_task(
+            _reap_forever(node), name="store-reaper"))
+        if ssd is not None:
             stack.push_async_callback(_cancel, asyncio.create_task(
-                _reap_forever(node), name="store-reaper"))
-            if ssd is not None:
-                stack.push_async_callback(_cancel, asyncio.create_task(
-                    _demote_forever(node), name="store-demoter"))
-            if config.conductor_url:
-                info = InstanceInfo(instance_id=instance_id, role="store", url=config.base_url,
-                                    transfer_address=address, segment=SEGMENT_NAME,
-                                    control_address=control)
-                registrar = Registrar(config.conductor_url, info, config.cluster_secret,
-                                      config.heartbeat_interval_s)
-                await registrar.start()
-                stack.push_async_callback(registrar.stop)
-                app.state.drain = partial(_drain, registrar, node, config.drain_timeout_s)
-                reporter = IndexReporter(config.conductor_url, instance_id,
-                                         config.cluster_secret, node.snapshot)
-                runtime.reporter = reporter
-                await reporter.start()
-                stack.push_async_callback(reporter.stop)
-            else:
-                logger.warning("no conductor URL: store %s runs unregistered", instance_id)
-            logger.info("store %s up: %d bytes at segment %s via %s, control %s%s", instance_id,
-                        len(pool), SEGMENT_NAME, address, control,
-                        f", SSD tier {config.store_ssd_dir}" if ssd is not None else "")
-            yield
-            logger.info("store %s shutting down", instance_id)
-            app.state.store = None
+                _demote_forever(node), name="store-demoter"))
+        if config.conductor_url:
+            info = InstanceInfo(instance_id=instance_id, role="store", url=config.base_url,
+                                transfer_address=address, segment=SEGMENT_NAME,
+                                control_address=control)
+            await starting.join(info, busy=lambda: node.stats().active_leases > 0,
+                                what="store leases")
+            reporter = IndexReporter(config.conductor_url, instance_id,
+                                     config.cluster_secret, node.snapshot)
+            runtime.reporter = reporter
+            await reporter.start()
+            stack.push_async_callback(reporter.stop)
+        else:
+            logger.warning("no conductor URL: store %s runs unregistered", instance_id)
+        # Unwound first: the routes answer 503 before anything they use stops.
+        stack.callback(_stopped, app)
+        stack.callback(logger.info, "store %s shutting down", instance_id)
+        logger.info("store %s up: %d bytes at segment %s via %s, control %s%s", instance_id,
+                    len(pool), SEGMENT_NAME, address, control,
+                    f", SSD tier {config.store_ssd_dir}" if ssd is not None else "")
 
-    app = FastAPI(title="mooncake-server store", lifespan=lifespan)
-    app.state.drain = None  # set once registered; SIGTERM runs it before shutting down
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "role": "store", **runtime().location.model_dump()}
+
     metrics = CollectorRegistry()
+    app = instance_app(config, "mooncake-server store", metrics, start, status=health)
     metrics.register(NodeCollector(lambda: _node_or_none(app)))
     guard = [Depends(require_secret(config.cluster_secret))]
     service = StoreService(lambda: _node_or_none(app))
@@ -158,28 +148,23 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     # NOTE: every route is `async def` so it runs on the event loop, which serialises all table
     # access; a plain `def` route would run in a thread pool and race.
-    for op, (model, method) in service.calls().items():
-        app.add_api_route(f"/store/{op.name.lower()}", _http_route(model, method),
-                          methods=["POST"], dependencies=guard, name=f"store_{op.name.lower()}")
+    for op, method in service.calls().items():
+        route = STORE_ROUTES[op]
+        serve(app, route, dependencies=guard, name=f"store_{op.name.lower()}")(
+            _http_route(route.request, method))
 
-    @app.post("/store/replicate", dependencies=guard)
+    @serve(app, STORE_REPLICATE, dependencies=guard)
     async def replicate(body: StoreReplicate) -> StoreReplicateReply:
+        """Copy keys from another node into this one (hot-block replication)."""
         if len(body.keys) != len(body.sizes) or any(s <= 0 for s in body.sizes):
             raise HTTPException(status_code=400, detail="replicate: one positive size per key")
         return StoreReplicateReply(copied=await _pull(runtime(), body))
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        rt: StoreRuntime | None = getattr(app.state, "store", None)
-        if rt is None:
-            raise HTTPException(status_code=503, detail="store is starting")
-        return {"status": "ok", "role": "store", **rt.location.model_dump()}
-
-    @app.get("/metrics")
-    async def get_metrics() -> Response:
-        return metrics_response(metrics)
-
     return app
+
+
+def _stopped(app: FastAPI) -> None:
+    app.state.store = None
 
 
 async def _pull(rt: StoreRuntime, body: StoreReplicate) -> int:

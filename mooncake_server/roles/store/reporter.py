@@ -21,23 +21,24 @@ import httpx
 
 from mooncake_server.wire.auth import secret_headers
 from mooncake_server.wire.index import IndexOp, StoreEntry, StoreReport, StoreReportReply
+from mooncake_server.wire.routes import INDEX_REPORT, CallError, call
 from mooncake_server.wire.rpc import RpcClient, RpcError
 
 logger = logging.getLogger(__name__)
 
 
 class IndexReporter:
-    """Sends one node's snapshot and deltas to POST {master}/internal/store/report."""
+    """Sends one node's snapshot and deltas to the index (INDEX_REPORT, or its channel)."""
 
     def __init__(self, master_url: str, node_id: str, secret: str,
                  snapshot: Callable[[], list[StoreEntry]], *, keepalive_s: float = 2.0,
                  coalesce_s: float = 0.02, http: httpx.AsyncClient | None = None,
                  channel_retry_s: float = 30.0) -> None:
         """`snapshot()` returns everything the node holds, synchronously (a consistent cut)."""
-        self._url = master_url.rstrip("/") + "/internal/store/report"
+        self._master = master_url
         self.node_id = node_id
         self.epoch = uuid.uuid4().hex
-        self._headers = {**secret_headers(secret), "content-type": "application/json"}
+        self._headers = secret_headers(secret)
         self._secret = secret.encode()
         self._channel: RpcClient | None = None
         self._channel_retry_s = channel_retry_s
@@ -108,7 +109,7 @@ class IndexReporter:
             try:
                 await self._send_once()
                 delay = 0.05
-            except (httpx.HTTPError, ValueError) as exc:
+            except (CallError, httpx.HTTPError, ValueError) as exc:
                 logger.warning("reporting to the store index failed (%s); retrying", exc)
                 self._need_snapshot = True
                 await asyncio.sleep(delay)
@@ -164,10 +165,7 @@ class IndexReporter:
                 self._channel = None
                 self._channel_down_until = asyncio.get_running_loop().time() + \
                     self._channel_retry_s
-        r = await self._http.post(self._url, content=payload, headers=self._headers)
-        if r.status_code != 200:
-            raise ValueError(f"HTTP {r.status_code}: {r.text[:200]}")
-        reply = StoreReportReply.model_validate_json(r.content)
+        reply = await call(self._http, self._master, INDEX_REPORT, report, headers=self._headers)
         if (reply.channel and self._channel is None
                 and asyncio.get_running_loop().time() >= self._channel_down_until):
             self._channel = RpcClient(reply.channel, self._secret, self._http.timeout.read)

@@ -7,19 +7,18 @@ store role's event loop, which serialises access to the object table.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Awaitable, Callable
-
-from pydantic import BaseModel
 
 from mooncake_server.roles.store.node import StoreNode
 from mooncake_server.roles.store.objects import GetResult
+from mooncake_server.wire.routes import STORE_ROUTES
 from mooncake_server.wire.rpc import Call, Handler, RpcUnavailable, json_handler
 from mooncake_server.wire.store_ops import (
     StoreExistsReply,
     StoreGet,
     StoreGetReply,
     StoreKeys,
+    StoreOp,
     StorePutEnd,
     StorePutEndReply,
     StorePutStart,
@@ -28,18 +27,6 @@ from mooncake_server.wire.store_ops import (
     StoreReleaseReply,
     StoreRemoveReply,
 )
-
-
-class StoreOp(enum.IntEnum):
-    """RPC op codes of the store's control API."""
-
-    PUT_START = 1
-    PUT_END = 2
-    PUT_ABORT = 3
-    GET = 4
-    RELEASE = 5
-    EXISTS = 6
-    REMOVE = 7
 
 
 class StoreService:
@@ -94,22 +81,22 @@ class StoreService:
         """Remove keys from both tiers."""
         return StoreRemoveReply(removed=self.node().remove(body.keys))
 
-    def calls(self) -> dict[StoreOp, tuple[type[BaseModel], Call]]:
-        """Each op's request type and method."""
+    def calls(self) -> dict[StoreOp, Call]:
+        """Each op's method (its request type is its route's, wire/routes.py)."""
         return {
-            StoreOp.PUT_START: (StorePutStart, self.put_start),
-            StoreOp.PUT_END: (StorePutEnd, self.put_end),
-            StoreOp.PUT_ABORT: (StoreKeys, self.put_abort),
-            StoreOp.GET: (StoreGet, self.get),
-            StoreOp.RELEASE: (StoreRelease, self.release),
-            StoreOp.EXISTS: (StoreKeys, self.exists),
-            StoreOp.REMOVE: (StoreKeys, self.remove),
+            StoreOp.PUT_START: self.put_start,
+            StoreOp.PUT_END: self.put_end,
+            StoreOp.PUT_ABORT: self.put_abort,
+            StoreOp.GET: self.get,
+            StoreOp.RELEASE: self.release,
+            StoreOp.EXISTS: self.exists,
+            StoreOp.REMOVE: self.remove,
         }
 
     def rpc_handlers(self) -> dict[int, Handler]:
         """The ops as RPC handlers: JSON payload in, JSON reply out."""
-        return {int(op): json_handler(model, method)
-                for op, (model, method) in self.calls().items()}
+        return {int(op): json_handler(STORE_ROUTES[op].request, method)
+                for op, method in self.calls().items()}
 
 
 def _get_reply(body: StoreGet, res: GetResult) -> StoreGetReply:

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends
 
 from mooncake_server.wire.auth import require_secret
 from mooncake_server.wire.jobs import PrefillCacheReport, PrefillCacheReportReply
+from mooncake_server.wire.routes import PREFILL_CACHE_INDEX, PREFILL_CACHE_REPORT, serve
 
 
 @dataclass
@@ -66,16 +67,15 @@ class LocalCacheIndex:
 
 
 def local_cache_router(index: LocalCacheIndex, secret: str) -> APIRouter:
-    """POST /internal/prefill-cache/report, GET .../index (cluster secret required)."""
-    router = APIRouter(prefix="/internal/prefill-cache",
-                       dependencies=[Depends(require_secret(secret))])
+    """PREFILL_CACHE_REPORT, PREFILL_CACHE_INDEX (cluster secret required)."""
+    router = APIRouter(dependencies=[Depends(require_secret(secret))])
 
-    @router.post("/report")
+    @serve(router, PREFILL_CACHE_REPORT)
     async def report(body: PrefillCacheReport) -> PrefillCacheReportReply:
         """A prefill instance's cache snapshot or delta."""
         return index.apply(body)
 
-    @router.get("/index")
+    @serve(router, PREFILL_CACHE_INDEX)
     async def sizes() -> dict[str, int]:
         """Blocks each prefill instance caches, as the conductor sees it."""
         return index.sizes()

@@ -41,6 +41,18 @@ from mooncake_server.wire.index import (
     StoreReportReply,
 )
 from mooncake_server.wire.instances import StoreLocation
+from mooncake_server.wire.routes import (
+    INDEX_LOCATE,
+    INDEX_PLACE,
+    INDEX_PREFIX,
+    INDEX_REPORT,
+    INDEX_STATS,
+    STORE_REPLICATE,
+    CallError,
+    PeerRefused,
+    call,
+    serve,
+)
 from mooncake_server.wire.rpc import Handler, RpcServer, json_handler
 from mooncake_server.wire.store_ops import StoreKeys
 
@@ -217,17 +229,17 @@ class StoreMaster:
         body = StoreReplicate(keys=[t.key for t in tasks], sizes=[t.size for t in tasks],
                               source=source)
         try:
-            r = await http.post(f"{target.url}/store/replicate", content=body.model_dump_json(),
-                                headers={**self._headers, "content-type": "application/json"},
-                                timeout=30.0)
-        except httpx.HTTPError as exc:
-            log.warning("hot-block copy to %s failed: %r", target.instance_id, exc)
+            reply = await call(http, target.url, STORE_REPLICATE, body, headers=self._headers,
+                               timeout=30.0)
+        except PeerRefused as exc:
+            log.warning("hot-block copy to %s: HTTP %d %s", target.instance_id, exc.status,
+                        exc.body[:200])
             return 0
-        if not r.is_success:
-            log.warning("hot-block copy to %s: HTTP %d %s", target.instance_id, r.status_code,
-                        r.text[:200])
+        except CallError as exc:
+            log.warning("hot-block copy to %s failed: %r", target.instance_id,
+                        exc.__cause__ or exc)
             return 0
-        return int(r.json().get("copied", 0))
+        return reply.copied
 
 
 class MasterCollector(Collector):
@@ -262,10 +274,10 @@ async def serve_index_channel(master: StoreMaster, host: str, port: int, public_
 
 
 def master_router(master: StoreMaster, secret: str) -> APIRouter:
-    """Routes under /internal/store: report, locate, place, prefix, index."""
-    router = APIRouter(prefix="/internal/store", dependencies=[Depends(require_secret(secret))])
+    """Routes: INDEX_REPORT, INDEX_LOCATE, INDEX_PLACE, INDEX_PREFIX, INDEX_STATS."""
+    router = APIRouter(dependencies=[Depends(require_secret(secret))])
 
-    @router.post("/report")
+    @serve(router, INDEX_REPORT)
     async def report(body: StoreReport) -> StoreReportReply:
         """A store node's snapshot or delta."""
         try:
@@ -273,22 +285,22 @@ def master_router(master: StoreMaster, secret: str) -> APIRouter:
         except ValueError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from None
 
-    @router.post("/locate")
+    @serve(router, INDEX_LOCATE)
     async def locate(body: StoreLocate) -> StoreLocateReply:
         """Where each key's live copies are."""
         return master.locate(body.keys, body.fallback)
 
-    @router.post("/place")
+    @serve(router, INDEX_PLACE)
     async def place(body: StoreKeys) -> StorePlaceReply:
         """Where new keys go."""
         return master.place(body.keys)
 
-    @router.post("/prefix")
+    @serve(router, INDEX_PREFIX)
     async def prefix(body: StoreKeys) -> StorePrefixReply:
         """Longest cached prefix, overall and per node."""
         return master.prefix(body.keys)
 
-    @router.get("/index")
+    @serve(router, INDEX_STATS)
     async def index() -> dict[str, object]:
         """Sizes of the index."""
         s = master.index.stats()
