@@ -22,9 +22,10 @@ import httpx
 import pytest
 from live_cluster import BLOCK, Cluster, start
 
+from mooncake_server.config import ServerConfig
 from mooncake_server.cost_model.perf_model import PerfModel
+from mooncake_server.instance import engine_role
 from mooncake_server.roles.conductor.scheduler.load import LoadTracker
-from mooncake_server.roles.decode import app as decode_role
 
 TBT_SLO_S = 0.3
 TTFT_SLO_S = 5.0
@@ -67,11 +68,14 @@ def stream(c: Cluster, ids: list[int]) -> tuple[int, str, list[float]]:
 
 
 def slowed_runners(slow: threading.Event) -> Callable[..., Any]:
-    """decode's build_runner, its forward passes slowed by SLOW_STEP_S while `slow` is set."""
-    build = decode_role.build_runner
+    """The engine roles' build_runner, decode's forward passes slowed by SLOW_STEP_S while
+    `slow` is set."""
+    build = engine_role.build_runner
 
-    def build_slowed(*args: Any, **kwargs: Any) -> Any:
-        runner, info = build(*args, **kwargs)
+    def build_slowed(config: ServerConfig, *args: Any, **kwargs: Any) -> Any:
+        runner, info = build(config, *args, **kwargs)
+        if config.role != "decode":
+            return runner, info
         step = runner.step
 
         def slowed_step(*a: Any, **kw: Any) -> Any:
@@ -96,7 +100,7 @@ def test_an_idle_cluster_admits_again_once_the_overload_ages_out(
     PerfModel(prefill_a=0.0, prefill_b=1e-4, prefill_c=0.01, prefill_e=0.0, decode_d0=0.02,
               decode_d1=0.0, decode_d2=0.0, block_tokens=BLOCK).save(profile)
     slow = threading.Event()
-    monkeypatch.setattr(decode_role, "build_runner", slowed_runners(slow))
+    monkeypatch.setattr(engine_role, "build_runner", slowed_runners(slow))
     c, servers, sockets = start(tiny_model_dir, "cache-global", tbt_slo_s=TBT_SLO_S,
                                 ttft_slo_s=TTFT_SLO_S, profile_path=str(profile))
     try:

@@ -25,6 +25,14 @@ from mooncake_server.api.backend import GenerateRequest
 from mooncake_server.roles.conductor.scheduler.policy import SLORejected
 from mooncake_server.wire.instances import InstanceInfo
 from mooncake_server.wire.jobs import DecodeRelease, DecodeReserve
+from mooncake_server.wire.routes import (
+    DECODE_RELEASE,
+    DECODE_RESERVE,
+    CallError,
+    PeerRefused,
+    call,
+    send,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +41,6 @@ _TIMEOUT_S = 5.0
 _RETRY_AFTER_S = 1.0
 # Releases of reservations whose request was cancelled: the caller's task set went with it.
 _orphan_releases: set[asyncio.Task[None]] = set()
-
-
-def _reason(response: httpx.Response) -> str:
-    try:
-        detail = response.json().get("detail")
-    except (ValueError, AttributeError):
-        detail = None
-    return str(detail or response.text[:200] or f"HTTP {response.status_code}")
 
 
 async def reserve_decode(http: httpx.AsyncClient, headers: dict[str, str],
@@ -53,23 +53,24 @@ async def reserve_decode(http: httpx.AsyncClient, headers: dict[str, str],
     """
     body = DecodeReserve(request_id=request.request_id,
                          prompt_tokens=len(request.prompt_token_ids),
-                         max_tokens=request.sampling.max_tokens).model_dump_json()
+                         max_tokens=request.sampling.max_tokens)
     refused: dict[str, str] = {}
     decode: InstanceInfo | None = planned
     while decode is not None:
         try:
-            r = await http.post(f"{decode.url}/internal/decode/reserve", content=body,
-                                headers={**headers, "content-type": "application/json"},
-                                timeout=_TIMEOUT_S)
-        except httpx.HTTPError as exc:
-            log.debug("reserving on %s failed (%r); using it unreserved", decode.instance_id, exc)
+            await call(http, decode.url, DECODE_RESERVE, body, headers=headers,
+                       timeout=_TIMEOUT_S)
+            return decode  # admitted
+        except PeerRefused as exc:
+            if exc.status != 503:
+                return decode  # an instance without admission control: the job will tell
+            refused[decode.instance_id] = exc.detail
+        except CallError as exc:
+            log.debug("reserving on %s failed (%s); using it unreserved", decode.instance_id, exc)
             return decode
         except asyncio.CancelledError:
             release_decode_later(http, headers, decode, request.request_id, _orphan_releases)
             raise
-        if r.status_code != 503:
-            return decode  # admitted, or an instance without admission control
-        refused[decode.instance_id] = _reason(r)
         decode = repick(request, set(refused))
     detail = "; ".join(f"{k}: {v}" for k, v in refused.items())
     raise SLORejected(f"server overloaded: no decode instance can take the request now "
@@ -82,12 +83,10 @@ def release_decode_later(http: httpx.AsyncClient, headers: dict[str, str], decod
 
     async def release() -> None:
         try:
-            await http.post(f"{decode.url}/internal/decode/release",
-                            content=DecodeRelease(request_id=request_id).model_dump_json(),
-                            headers={**headers, "content-type": "application/json"},
-                            timeout=_TIMEOUT_S)
-        except httpx.HTTPError as exc:
-            log.debug("releasing %s on %s failed: %r", request_id, decode.instance_id, exc)
+            await send(http, decode.url, DECODE_RELEASE, DecodeRelease(request_id=request_id),
+                       headers=headers, timeout=_TIMEOUT_S)
+        except CallError as exc:
+            log.debug("releasing %s on %s failed: %s", request_id, decode.instance_id, exc)
 
     task = asyncio.get_running_loop().create_task(release())
     tasks.add(task)

@@ -4,14 +4,11 @@ removing a tail block from the store. Failures become `BackendError` (the client
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncGenerator, Callable
 from functools import partial
-from typing import Any
 
 import httpx
-from pydantic import ValidationError
 
 from mooncake_server.api.backend import BackendError, TokenEvent
 from mooncake_server.roles.conductor.flow import RequestFlow
@@ -28,43 +25,29 @@ from mooncake_server.roles.conductor.watch import (
 )
 from mooncake_server.wire.instances import InstanceInfo
 from mooncake_server.wire.jobs import DecodeEvent, DecodeJob, ErrorEvent, PrefillJob, PrefillResult
+from mooncake_server.wire.routes import (
+    DECODE,
+    PREFILL,
+    STORE_REMOVE,
+    CallError,
+    InvalidReply,
+    PeerRefused,
+    PeerUnreachable,
+    call,
+    open_stream,
+    send,
+)
 from mooncake_server.wire.store_ops import StoreKeys
 
 log = logging.getLogger(__name__)
 
 
-def peer_status(status: int) -> int:
+def peer_status(status: int | None) -> int:
     """HTTP status the client sees for a peer's failure status."""
-    if status in (429, 503) or (400 <= status < 500 and status not in (401, 403, 404, 405)):
+    if status is not None and (status in (429, 503) or (
+            400 <= status < 500 and status not in (401, 403, 404, 405))):
         return status  # overload or a problem with the request itself: pass it on
     return 502  # a peer misbehaving or misconfigured is a bad gateway from the client's view
-
-
-def peer_message(response: httpx.Response) -> str:
-    """The error message in a peer's error body (FastAPI detail, OpenAI error, or text)."""
-    try:
-        body: Any = response.json()
-    except ValueError:
-        return response.text.strip()[:500] or f"HTTP {response.status_code}"
-    if isinstance(body, dict):
-        if isinstance(body.get("detail"), str):
-            return str(body["detail"])
-        error = body.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-    return json.dumps(body)[:500]
-
-
-def _parse_line(line: str, where: str) -> DecodeEvent:
-    try:
-        data = json.loads(line)
-        if isinstance(data, dict) and "error" in data:
-            raise BackendError(f"{where}: {ErrorEvent.model_validate(data).error}", 503)
-        return DecodeEvent.model_validate(data)
-    except (ValueError, ValidationError) as exc:
-        raise BackendError(f"{where} sent an invalid stream line", 502) from exc
 
 
 class InstanceCalls:
@@ -74,7 +57,7 @@ class InstanceCalls:
                  timeout: httpx.Timeout, registry: InstanceRegistry, store_master: StoreMaster,
                  stats: MoveStats, heartbeat_timeout_s: float) -> None:
         self._http = http
-        self._json_headers = {**headers, "content-type": "application/json"}
+        self._headers = headers
         self._timeout = timeout
         self._registry = registry
         self._store_master = store_master
@@ -86,23 +69,18 @@ class InstanceCalls:
         job = PrefillJob(request_id=flow.request_id,
                          prompt_token_ids=flow.request.prompt_token_ids, block_keys=flow.keys,
                          sampling=flow.request.sampling, reuse=flow.plan.reuse)
+        where = f"prefill instance {prefill.instance_id}"
         try:
-            response = await self._http.post(
-                f"{prefill.url}/internal/prefill", content=job.model_dump_json(),
-                headers=self._json_headers, timeout=self._timeout)
-        except httpx.TransportError as exc:
+            return await call(self._http, prefill.url, PREFILL, job, headers=self._headers,
+                              timeout=self._timeout)
+        except PeerUnreachable as exc:
             self._registry.mark_down(prefill.instance_id)
-            raise BackendError(
-                f"prefill instance {prefill.instance_id} unreachable: {exc!r}", 503) from exc
-        if not response.is_success:
-            raise BackendError(
-                f"prefill instance {prefill.instance_id} failed: {peer_message(response)}",
-                peer_status(response.status_code))
-        try:
-            return PrefillResult.model_validate_json(response.content)
-        except ValidationError as exc:
-            raise BackendError(
-                f"prefill instance {prefill.instance_id} sent an invalid result", 502) from exc
+            raise BackendError(f"{where} unreachable: {exc.__cause__!r}", 503) from exc
+        except InvalidReply as exc:
+            raise BackendError(f"{where} sent an invalid result", 502) from exc
+        except CallError as exc:
+            raise BackendError(f"{where} failed: {exc.detail or exc}",
+                               peer_status(exc.status)) from exc
 
     async def decode(self, flow: RequestFlow, decode: InstanceInfo,
                      job: DecodeJob) -> AsyncGenerator[TokenEvent, None]:
@@ -125,26 +103,25 @@ class InstanceCalls:
 
     async def _read_decode(self, flow: RequestFlow, decode: InstanceInfo, job: DecodeJob,
                            emit: Callable[[str], None]) -> None:
-        """POST the job and emit the stream's lines (runs in the LineFeed's own task)."""
+        """Send the job and emit the stream's lines (runs in the LineFeed's own task)."""
         where = f"decode instance {decode.instance_id}"
         try:
-            async with self._http.stream(
-                "POST", f"{decode.url}/internal/decode", content=job.model_dump_json(),
-                headers=self._json_headers, timeout=self._timeout,
-            ) as response:
-                if not response.is_success:
-                    await response.aread()
-                    if response.status_code == 503:
-                        raise InstanceLost(f"{where} refused: {peer_message(response)}",
-                                           REFUSED, False)
-                    raise BackendError(f"{where} failed: {peer_message(response)}",
-                                       peer_status(response.status_code))
+            async with open_stream(self._http, decode.url, DECODE, job, headers=self._headers,
+                                   timeout=self._timeout) as lines:
                 flow.tail_settled = True  # decode accepted the job: its tail is decode's now
                 flow.reserved_on = None  # and the job claimed the reservation
-                async for line in response.aiter_lines():
+                async for line in lines:
                     emit(line)
-        except httpx.TransportError as exc:
-            raise InstanceLost(f"{where} failed mid-stream: {exc!r}", DIED, True) from exc
+        except PeerUnreachable as exc:
+            raise InstanceLost(f"{where} failed mid-stream: {exc.__cause__!r}", DIED,
+                               True) from exc
+        except PeerRefused as exc:
+            if exc.status == 503:
+                raise InstanceLost(f"{where} refused: {exc.detail}", REFUSED, False) from exc
+            raise BackendError(f"{where} failed: {exc.detail}",
+                               peer_status(exc.status)) from exc
+        except CallError as exc:
+            raise BackendError(f"{where} failed: {exc}", 502) from exc
 
     def _next_event(self, flow: RequestFlow, line: str, where: str) -> DecodeEvent | None:
         """The stream line's token, None for a blank line or a token the client already has;
@@ -152,11 +129,11 @@ class InstanceCalls:
         if not line.strip():
             return None
         try:
-            event = _parse_line(line, where)
-        except BackendError as exc:
-            if exc.status != 503:
-                raise
-            raise InstanceLost(str(exc), ERROR, False) from exc  # an error event
+            event = DECODE.parse(line)
+        except InvalidReply as exc:
+            raise BackendError(f"{where} sent an invalid stream line", 502) from exc
+        if isinstance(event, ErrorEvent):  # the instance failed the request: it moves on
+            raise InstanceLost(f"{where}: {event.error}", ERROR, False)
         expected = 1 + len(flow.delivered)
         if event.index is not None and event.index < expected:
             self._stats.duplicates_dropped += 1  # a moved request repeating itself
@@ -177,12 +154,8 @@ class InstanceCalls:
         for replica in where.replicas[0]:
             store = where.nodes[replica.node_id]
             try:
-                response = await self._http.post(
-                    f"{store.url}/store/remove", content=StoreKeys(keys=[tail]).model_dump_json(),
-                    headers=self._json_headers, timeout=5.0)
-                if not response.is_success:
-                    log.warning("store %s refused to remove tail %s: %s", store.instance_id,
-                                tail, peer_message(response))
-            except httpx.HTTPError as exc:
-                log.warning("removing tail %s from store %s failed: %r", tail,
+                await send(self._http, store.url, STORE_REMOVE, StoreKeys(keys=[tail]),
+                           headers=self._headers, timeout=5.0)
+            except CallError as exc:
+                log.warning("removing tail %s from store %s failed: %s", tail,
                             store.instance_id, exc)

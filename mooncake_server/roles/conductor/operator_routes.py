@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from mooncake_server.roles.conductor.moves import MoveStats
 from mooncake_server.wire.auth import require_secret
 from mooncake_server.wire.moves import MigrateReply, MigrateRequest, RunningRequest
+from mooncake_server.wire.routes import MIGRATE, REQUESTS, serve
 
 
 class InFlight(Protocol):
@@ -37,7 +38,7 @@ def operator_router(path: Callable[[], InFlight | None], secret: str) -> APIRout
 
     `path()` is the request path, None until the conductor's lifespan has built it.
     """
-    router = APIRouter(prefix="/internal", dependencies=[Depends(require_secret(secret))])
+    router = APIRouter(dependencies=[Depends(require_secret(secret))])
 
     def current() -> InFlight:
         found = path()
@@ -45,7 +46,7 @@ def operator_router(path: Callable[[], InFlight | None], secret: str) -> APIRout
             raise HTTPException(503, "the conductor is not serving yet")
         return found
 
-    @router.post("/migrate")
+    @serve(router, MIGRATE)
     async def migrate(body: MigrateRequest) -> MigrateReply:
         """Move a decoding request to another decode instance (load shift)."""
         try:
@@ -55,7 +56,7 @@ def operator_router(path: Callable[[], InFlight | None], secret: str) -> APIRout
         except ValueError as exc:
             raise HTTPException(409, str(exc)) from None
 
-    @router.get("/requests")
+    @serve(router, REQUESTS)
     async def requests() -> list[RunningRequest]:
         """Requests in flight and the instance serving each."""
         return current().running()
