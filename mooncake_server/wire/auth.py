@@ -99,9 +99,14 @@ class SecretGuard:
 
 async def send_json(send: Send, status: int, body: bytes,
                     headers: Mapping[str, str] | None = None) -> None:
-    """Answer an ASGI HTTP request directly with a JSON body (the connection then closes)."""
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-           (b"connection", b"close")]
+    """Answer an ASGI HTTP request directly with a JSON body, before or without reading its body.
+
+    NOTE: no `connection: close`: closing while the client still sends its body makes the
+    kernel answer that body with a reset, which can destroy this very answer on its way (RFC
+    9112 section 9.6). Kept open, the HTTP server reads and drops the unread body, then serves
+    the next request on the connection (tests/security/test_early_refusals.py).
+    """
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
