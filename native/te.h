@@ -3,12 +3,16 @@
  * Layout of the native side, one job per file:
  *   te_crc32c.c  CRC32C (SSE4.2 with a table fallback), copy+CRC in one pass, combining CRCs
  *   te_wire.c    deadline-bounded socket I/O, frame encoding, HMAC handshake
- *   te_server.c  registered regions + the listener serving READ/WRITE/INFO/GET frames
+ *   te_server.c  registered regions + the listener serving INFO/READ/WRITE/CRC/GET frames
  *   te_keys.c    objects published by key, for GET (one round trip, pinned while sent)
- *   te_client.c  peers, pooled connections, open_segment, one slice over shm, RDMA or TCP
+ *   te_peer.c    peers and their pools of authenticated TCP connections and RDMA queue pairs
+ *   te_client.c  request frames, open_segment, one slice over shm, RDMA or TCP (with retry)
  *   te_rdma.c    libibverbs RC queue pairs (only with TE_HAVE_VERBS; stubs otherwise)
  *   te_batch.c   batches, the request queue and the worker threads
- *   transfer_engine.c  the CPython module (the only file that touches the GIL)
+ * The CPython binding (the only files that touch the GIL; private header te_py.h):
+ *   transfer_engine.c  the module: mooncake_server.transfer._native
+ *   te_py_engine.c     the Engine type: lifecycle, segments and batches
+ *   te_py_memory.c     registered memory: SharedBuffer (memfd), register/unregister
  */
 #ifndef MOONCAKE_TE_H
 #define MOONCAKE_TE_H

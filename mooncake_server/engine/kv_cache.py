@@ -94,11 +94,6 @@ class PagedKVCache:
         """Absolute address of a block's first byte."""
         return self.base_addr + block_id * self.layout.block_bytes
 
-    def block_bytes_view(self, block_id: int) -> memoryview:
-        """A zero-copy view of one block's bytes."""
-        bb = self.layout.block_bytes
-        return memoryview(self._buffer)[block_id * bb:(block_id + 1) * bb]
-
     def allocate(self, n: int) -> list[int]:
         """Take `n` free blocks or raise OutOfBlocks without taking any."""
         if n > len(self._free):
