@@ -1,9 +1,11 @@
-"""Roles started one by one as OS processes, each killable, stoppable and restartable on its own
-port and instance id (fault tests, soak and overload runs). Optionally inside a network
-namespace (`ip netns exec`), listening on that namespace's address.
+"""Roles started as OS processes (`python -m mooncake_server --role ROLE`), each killable,
+stoppable and restartable on its own port and instance id (fault tests, store nodes, soak and
+overload runs, `--role all` trees). Optionally inside a network namespace (`ip netns exec`),
+listening on that namespace's address.
 
-`--role all` runs one instance per role on fixed port offsets; a cluster with two decode or
-store instances, or with a role that must die and come back, is built here instead.
+`RoleProc` is one such process; `RoleCluster` declares a conductor (or joins one already
+running, such as a test's in-process store index) and any number of instances.
+Apps served inside the test's own process: `in_process`.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from mooncake_server.wire.auth import SECRET_HEADER
-from mooncake_testkit.launcher import STARTUP_TIMEOUT_S, free_port_block
+from mooncake_testkit.ports import free_port_block
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+STARTUP_TIMEOUT_S = 240.0
 _POLL_S = 0.2
+# NOTE: a name of its own: inside RoleProc, `signal` is the method.
+_SIGTERM = signal.SIGTERM
 
 
 @dataclass
@@ -41,9 +46,10 @@ class RoleProc:
     port: int
     argv: list[str]
     env: dict[str, str]
-    log_path: Path | None = None
+    log_path: Path | None = None  # its output; else none kept, unless `inherit_output`
     netns: str | None = None
     proc: subprocess.Popen[bytes] | None = None
+    inherit_output: bool = False  # write to this process's stdout/stderr (benchmarks)
 
     @property
     def url(self) -> str:
@@ -62,13 +68,15 @@ class RoleProc:
         if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError(f"{self.name} is already running")
         argv = (["ip", "netns", "exec", self.netns] if self.netns else []) + self.argv
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        out: Any = (open(self.log_path, "ab") if self.log_path  # noqa: SIM115
+                    else None if self.inherit_output else subprocess.DEVNULL)
         try:
-            self.proc = subprocess.Popen(argv, env=self.env, start_new_session=True,
-                                         stdout=out, stderr=subprocess.STDOUT)
+            # NOTE: its own session (process group == pid), so `kill` reaches its children too.
+            self.proc = subprocess.Popen(argv, env=self.env, start_new_session=True, stdout=out,
+                                         stderr=None if out is None else subprocess.STDOUT)
         finally:
             if self.log_path:
-                out.close()  # type: ignore[union-attr]
+                out.close()
         return self
 
     def running(self) -> bool:
@@ -85,6 +93,15 @@ class RoleProc:
         except httpx.HTTPError:
             return False
 
+    def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> RoleProc:
+        """Wait until /health answers 200; raises if the process exits or the deadline passes."""
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not become healthy in {timeout_s:.0f} s")
+            time.sleep(_POLL_S)
+        return self
+
     def signal(self, sig: int) -> None:
         """Send a signal (SIGKILL, SIGTERM, SIGSTOP, SIGCONT...)."""
         if self.running():
@@ -97,18 +114,19 @@ class RoleProc:
         return self.proc.wait(timeout=timeout_s)
 
     def kill(self) -> None:
-        """SIGKILL and reap."""
+        """SIGKILL its process group (a supervisor's children too) and reap."""
         if self.running():
             self.signal(signal.SIGCONT)  # a stopped process must be able to die
-            self.signal(signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
             self.wait()
 
-    def stop(self, timeout_s: float = 30.0) -> int | None:
-        """SIGTERM (a graceful drain), then SIGKILL after `timeout_s`; the exit code."""
+    def stop(self, timeout_s: float = 30.0, sig: int = _SIGTERM) -> int | None:
+        """`sig` (SIGTERM: a graceful drain), then `kill` after `timeout_s`; the exit code."""
         if not self.running():
             return self.proc.returncode if self.proc else None
         self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
+        self.signal(sig)
         try:
             return self.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -135,7 +153,7 @@ class RoleCluster:
     common: list[str] = field(default_factory=list)  # flags every role gets
     secret: str = field(default_factory=lambda: secrets.token_hex(16))
     procs: dict[str, RoleProc] = field(default_factory=dict)
-    conductor_url: str = ""
+    conductor_url: str = ""  # set by `add("conductor", ...)`, or given: join that conductor
 
     @property
     def headers(self) -> dict[str, str]:
@@ -145,7 +163,8 @@ class RoleCluster:
     def add(self, role: str, name: str, *extra: str, host: str = "127.0.0.1",
             netns: str | None = None, port: int | None = None,
             advertise: str | None = None) -> RoleProc:
-        """Declare one role process (the conductor first); start it with `start()`.
+        """Declare one role process (the conductor first, unless one was given); start it with
+        `start()`, or alone with `RoleProc.start`.
 
         It listens on `host` (inside `netns` if given); others reach it at `advertise` (else
         `host`).

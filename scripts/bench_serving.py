@@ -463,7 +463,7 @@ def tfserve_binary() -> str:
 def start_tfserve(model: str, extra: Sequence[str], log_dir: Path,
                   timeout_s: float) -> Iterator[Api]:
     """`transformers serve --continuous-batching` on a free port, offline; stopped on exit."""
-    from mooncake_testkit.launcher import free_port_block
+    from mooncake_testkit.ports import free_port_block
 
     port = free_port_block(1)
     argv = [tfserve_binary(), "serve", "--continuous-batching", "--host", "127.0.0.1",

@@ -304,7 +304,7 @@ def launch(spec: str, server_args: list[str], conductor_args: list[str],
     `prefill_args` / `decode_args` go to those roles only (`all`: to every role; `colocated`:
     prefill_args, its engine prefills).
     """
-    from mooncake_testkit.launcher import free_port_block
+    from mooncake_testkit.ports import free_port_block
 
     secret = secrets.token_hex(16)
     env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": secret}

@@ -1,4 +1,4 @@
-"""Helpers of the OpenAI API tests: a scriptable fake Backend and a live in-process server.
+"""Helpers of the OpenAI API tests: a scriptable fake Backend (live servers: `mooncake_testkit`).
 
 A uniquely named module (not conftest) so tests import it without clashing with other folders'
 conftest modules.
@@ -7,14 +7,9 @@ conftest modules.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import uvicorn
 
 from mooncake_server.api.backend import BackendError, GenerateRequest, TokenEvent
 
@@ -63,33 +58,7 @@ class FakeBackend:
         return True
 
 
-class _QuietServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # NOTE: leave pytest's signal handlers alone
 
-
-@contextlib.asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
-    """Run `app` on a free 127.0.0.1 port in this event loop; yield its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-    server = _QuietServer(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if task.done() or time.monotonic() > deadline:
-            raise RuntimeError("test server did not start")
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -7,11 +7,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from api_helpers import MAX_MODEL_LEN, MODEL, FakeBackend, serve, wait_for
+from api_helpers import MAX_MODEL_LEN, MODEL, FakeBackend, wait_for
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from mooncake_server.api.openai_app import install_api
+from mooncake_testkit.in_process import serve_app
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +48,7 @@ def app(backend: FakeBackend, tokenizer: Any, metrics_registry: CollectorRegistr
 @pytest.fixture(name="serve")
 def serve_fixture() -> Callable[[Any], contextlib.AbstractAsyncContextManager[str]]:
     """`async with serve(app) as url:` runs an app live for a test."""
-    return serve
+    return serve_app
 
 
 @pytest.fixture(name="wait_for")
@@ -59,5 +60,5 @@ def wait_for_fixture() -> Callable[..., Any]:
 @pytest.fixture
 async def base_url(app: FastAPI) -> AsyncIterator[str]:
     """The API served live on 127.0.0.1."""
-    async with serve(app) as url:
+    async with serve_app(app) as url:
         yield url

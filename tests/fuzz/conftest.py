@@ -13,45 +13,29 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fuzz_helpers import LiveCluster, role_config, wait_healthy
-from live_servers import ServerThread, bound_socket
 
-from mooncake_server.roles import app_for_role
+from mooncake_testkit.in_process import AppCluster
 
 
 @pytest.fixture(scope="module")
 def colocated_url(tiny_model_dir: str) -> Iterator[str]:
     """`--role colocated` over the tiny model, API key set."""
-    servers = ServerThread()
-    sock, port = bound_socket()
-    try:
-        servers.serve(app_for_role(role_config("colocated", port, tiny_model_dir)), sock)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        servers.stop()
-        sock.close()
+    with AppCluster() as apps:
+        yield apps.add("colocated", lambda port: role_config("colocated", port, tiny_model_dir))
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: str) -> Iterator[LiveCluster]:
     """The disaggregated path in one process: every role's real app, KV over the TCP engine."""
-    servers = ServerThread()
-    live = LiveCluster(urls={})
-    try:
-        conductor_url = ""
-        for role in ("conductor", "store", "prefill", "decode"):
-            sock, port = bound_socket()
-            live.sockets.append(sock)
-            extra = {"conductor_url": conductor_url} if role != "conductor" else {}
-            servers.serve(app_for_role(role_config(role, port, tiny_model_dir, **extra)), sock)
-            live.urls[role] = f"http://127.0.0.1:{port}"
-            conductor_url = conductor_url or live.urls["conductor"]
+    with AppCluster() as apps:
+        live = LiveCluster(urls=apps.urls)
+        apps.add("conductor", lambda port: role_config("conductor", port, tiny_model_dir))
+        for role in ("store", "prefill", "decode"):
+            apps.add(role, lambda port: role_config(role, port, tiny_model_dir,
+                                                    conductor_url=live.url))
         wait_healthy(live.url)
         store = httpx.get(live.urls["store"] + "/health", timeout=5).json()
         live.store_transfer_address = store["transfer_address"]
         live.store_segment = store["segment"]
         live.store_control_address = store["control_address"]
         yield live
-    finally:
-        servers.stop()
-        for sock in live.sockets:
-            sock.close()

@@ -6,9 +6,8 @@ conftest modules.
 
 from __future__ import annotations
 
-import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -49,7 +48,6 @@ class LiveCluster:
     store_transfer_address: str = ""
     store_segment: str = ""
     store_control_address: str = ""
-    sockets: list[socket.socket] = field(default_factory=list)
 
     @property
     def url(self) -> str:

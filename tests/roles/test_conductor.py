@@ -7,17 +7,14 @@ tokenizer, the peers join through Registrar, and clients talk to it with the ope
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi import Depends, FastAPI
 from fastapi.responses import StreamingResponse
 
@@ -29,35 +26,10 @@ from mooncake_server.wire.auth import require_secret
 from mooncake_server.wire.instances import InstanceInfo
 from mooncake_server.wire.jobs import DecodeEvent, DecodeJob, PrefillJob, PrefillResult
 from mooncake_server.wire.store_ops import StoreKeys
+from mooncake_testkit.in_process import serve_app
 
 SECRET = "cluster-s3cret"
 MODEL = "smol"
-
-
-class _QuietServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # NOTE: leave pytest's signal handlers alone
-
-
-@contextlib.asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
-    """Run `app` (lifespan included) on a free 127.0.0.1 port; yield its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = _QuietServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if task.done() or time.monotonic() > deadline:
-            raise RuntimeError("test server did not start")
-        await asyncio.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -131,7 +103,7 @@ async def test_conductor_end_to_end(tokenizer: Any) -> None:
     peers = Peers()
     config = ServerConfig(role="conductor", cluster_secret=SECRET, served_model_name=MODEL,
                           max_model_len=1024, heartbeat_timeout_s=5.0)
-    async with serve(peers_app(peers)) as peer_url, serve(build_app(config)) as url:
+    async with serve_app(peers_app(peers)) as peer_url, serve_app(build_app(config)) as url:
         async with httpx.AsyncClient(base_url=url) as http:
             r = await http.get("/health")
             assert r.status_code == 503

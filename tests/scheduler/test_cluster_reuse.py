@@ -15,13 +15,11 @@ from mooncake_server.wire.jobs import PrefillJob, PrefillResult, SamplingParams
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: str) -> Iterator[Cluster]:
-    c, servers, sockets = start(tiny_model_dir, policy="cache-global")
+    c = start(tiny_model_dir, policy="cache-global")
     try:
         yield c
     finally:
-        servers.stop()
-        for s in sockets:
-            s.close()
+        c.stop()
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -101,8 +101,8 @@ def test_an_idle_cluster_admits_again_once_the_overload_ages_out(
               decode_d1=0.0, decode_d2=0.0, block_tokens=BLOCK).save(profile)
     slow = threading.Event()
     monkeypatch.setattr(engine_role, "build_runner", slowed_runners(slow))
-    c, servers, sockets = start(tiny_model_dir, "cache-global", tbt_slo_s=TBT_SLO_S,
-                                ttft_slo_s=TTFT_SLO_S, profile_path=str(profile))
+    c = start(tiny_model_dir, "cache-global", tbt_slo_s=TBT_SLO_S, ttft_slo_s=TTFT_SLO_S,
+              profile_path=str(profile))
     try:
         scheduler = c.conductor_app.state.backend.scheduler
         clock = IdleClock()
@@ -137,6 +137,4 @@ def test_an_idle_cluster_admits_again_once_the_overload_ages_out(
         assert times[1] - times[0] <= TTFT_SLO_S
         assert gaps and max(gaps) <= TBT_SLO_S, gaps  # few tokens: TBT is the longest gap
     finally:
-        servers.stop()
-        for s in sockets:
-            s.close()
+        c.stop()

@@ -9,13 +9,14 @@ import openai
 import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from security_helpers import MAX_MODEL_LEN, MODEL, EchoBackend, serve
+from security_helpers import MAX_MODEL_LEN, MODEL, EchoBackend
 
 from mooncake_server.api.openai_app import install_api
 from mooncake_server.cli import parse_config
 from mooncake_server.config import ServerConfig
 from mooncake_server.roles import app_for_role
 from mooncake_server.wire.auth import SECRET_HEADER
+from mooncake_testkit.in_process import serve_app
 
 KEY = "sk-test-key-123"
 SECRET = "cluster-secret-xyz"
@@ -98,7 +99,7 @@ async def test_without_a_key_the_api_is_open(tokenizer: Any) -> None:
 
 
 async def test_official_client_sees_authentication_error(tokenizer: Any) -> None:
-    async with serve(api_app(tokenizer)) as url:
+    async with serve_app(api_app(tokenizer)) as url:
         bad = openai.AsyncOpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError) as info:
             await bad.chat.completions.create(model=MODEL, messages=CHAT["messages"],

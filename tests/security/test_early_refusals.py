@@ -15,11 +15,11 @@ import asyncio
 
 import pytest
 from fastapi import FastAPI
-from security_helpers import serve
 
 from mooncake_server.api.openai_app import install_api_guard
 from mooncake_server.api.security import PUBLIC_PATHS, PUBLIC_PREFIXES
 from mooncake_server.wire.auth import OPEN_PATHS, SECRET_HEADER, SecretGuard
+from mooncake_testkit.in_process import serve_app
 
 KEY = "sk-early-refusals"
 SECRET = "early-refusals-secret"
@@ -55,7 +55,7 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
 async def test_refusal_before_the_body_keeps_the_connection(path: str, headers: str, body: bytes,
                                                             status: int) -> None:
     """Headers first, the refusal comes back, only then the body, then a second request."""
-    async with serve(guarded_app()) as url:
+    async with serve_app(guarded_app()) as url:
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         try:

@@ -12,11 +12,12 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from security_helpers import MAX_MODEL_LEN, MODEL, EchoBackend, serve
+from security_helpers import MAX_MODEL_LEN, MODEL, EchoBackend
 
 from mooncake_server.api.limits import RequestLimits
 from mooncake_server.api.openai_app import install_api
 from mooncake_server.cli import parse_config
+from mooncake_testkit.in_process import serve_app
 
 LIMITS = RequestLimits(max_body_bytes=4096, max_messages=3, max_prompt_tokens=40, max_tokens=8,
                        max_stop_sequences=2, max_stop_chars=5)
@@ -42,7 +43,7 @@ def app(tokenizer: Any, backend: EchoBackend) -> FastAPI:
 
 @pytest.fixture
 async def url(app: FastAPI) -> AsyncIterator[str]:
-    async with serve(app) as base:
+    async with serve_app(app) as base:
         yield base
 
 

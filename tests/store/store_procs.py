@@ -1,20 +1,17 @@
-"""Store test rigs: the real store-index routes served in-process, store nodes as OS processes."""
+"""Store test rigs: the real store-index routes served in-process, store nodes as OS processes
+(testkit's `serve_app` and `RoleProc`, driven from async tests)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import ctypes
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
-import uvicorn
 from fastapi import FastAPI
 
 from mooncake_server.roles.conductor.registry import InstanceRegistry, registry_router
@@ -25,7 +22,8 @@ from mooncake_server.roles.conductor.store_index.master import (
 )
 from mooncake_server.wire.auth import SECRET_HEADER
 from mooncake_server.wire.rpc import RpcServer
-from mooncake_testkit.launcher import free_port_block
+from mooncake_testkit.in_process import serve_app
+from mooncake_testkit.role_procs import RoleCluster, RoleProc
 
 SECRET = "store-procs-secret"
 HEADERS = {SECRET_HEADER: SECRET}
@@ -71,74 +69,57 @@ async def index_server(replicas: int, **master_kw: object) -> AsyncIterator[Inde
     app.include_router(registry_router(registry, SECRET))
     app.include_router(master_router(master, SECRET))
     channel = await serve_index_channel(master, "127.0.0.1", 0, "127.0.0.1", SECRET)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    await until(lambda: server.started, what="index server start")
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield IndexServer(f"http://127.0.0.1:{port}", master, registry, channel)
+        async with serve_app(app) as url:
+            yield IndexServer(url, master, registry, channel)
     finally:
-        server.should_exit = True
-        await task
         await channel.close()
 
 
 @dataclass
 class StoreProc:
-    """One `python -m mooncake_server --role store` process."""
+    """One store node process (`RoleProc`), started, stopped and read without blocking the loop."""
 
-    name: str
-    argv: list[str]
-    port: int
-    proc: subprocess.Popen[bytes] | None = None
+    role: RoleProc
+
+    @property
+    def name(self) -> str:
+        """Its instance id."""
+        return self.role.name
+
+    @property
+    def port(self) -> int:
+        """Its HTTP port (a restart may reuse it)."""
+        return self.role.port
 
     @property
     def url(self) -> str:
         """Its HTTP base URL."""
-        return f"http://127.0.0.1:{self.port}"
+        return self.role.url
 
     async def start(self) -> StoreProc:
         """Spawn and wait until its /health answers 200."""
-        env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": SECRET}
-        self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        async with httpx.AsyncClient(timeout=1.0) as http:
-            async def healthy() -> bool:
-                assert self.proc is not None
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"store {self.name} exited with {self.proc.returncode}")
-                try:
-                    return (await http.get(self.url + "/health")).status_code == 200
-                except httpx.HTTPError:
-                    return False
-            await until(healthy, 30.0, f"store {self.name} healthy")
+        await asyncio.to_thread(lambda: self.role.start().wait_healthy(30.0))
         return self
 
     async def stop(self, sig: int = signal.SIGKILL) -> None:
         """Signal the process and wait (off the event loop) for it to exit."""
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(sig)
-        try:
-            await asyncio.to_thread(proc.wait, 20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            await asyncio.to_thread(proc.wait)
+        if sig == signal.SIGKILL:
+            await asyncio.to_thread(self.role.kill)
+        else:
+            await asyncio.to_thread(self.role.stop, 20.0, sig)
 
     async def metrics(self) -> str:
         """Its /metrics text."""
         # NOTE: an internal role's /metrics needs the cluster secret.
-        async with httpx.AsyncClient(timeout=5.0, headers={"X-Mooncake-Secret": SECRET}) as http:
+        async with httpx.AsyncClient(timeout=5.0, headers=HEADERS) as http:
             return (await http.get(self.url + "/metrics")).text
 
 
 def store_proc(index_url: str, name: str, memory: str = "64MiB",
                extra: list[str] | None = None, port: int | None = None) -> StoreProc:
     """A store node process registered with the index at `index_url` (not started yet)."""
-    port = port or free_port_block(1)
-    return StoreProc(name, [
-        sys.executable, "-m", "mooncake_server", "--role", "store", "--port", str(port),
-        "--conductor-url", index_url, "--instance-id", name, "--memory", memory,
-        "--heartbeat-interval", "0.2", "--transport", "tcp", "--log-level", "warning",
-        *(extra or [])], port)
+    nodes = RoleCluster(secret=SECRET, conductor_url=index_url)
+    return StoreProc(nodes.add(
+        "store", name, "--memory", memory, "--heartbeat-interval", "0.2", "--transport", "tcp",
+        "--log-level", "warning", *(extra or []), port=port))

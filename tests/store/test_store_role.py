@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from mooncake_server.config import ServerConfig
@@ -21,6 +20,7 @@ from mooncake_server.transfer import TransferEngine, _native, crc32c
 from mooncake_server.wire.auth import SECRET_HEADER
 from mooncake_server.wire.index import StoreReport, StoreReportReply
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
+from mooncake_testkit.in_process import serve_app
 
 SECRET = "store-test-secret"
 BLOCK = 10_000  # deliberately not a multiple of the store's 64-byte alignment
@@ -58,14 +58,8 @@ async def conductor() -> AsyncIterator[ConductorStub]:
         stub.reports.append(body)
         return StoreReportReply(accepted=True)
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    await _until(lambda: server.started)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    stub.url = f"http://127.0.0.1:{port}"
-    yield stub
-    server.should_exit = True
-    await task
+    async with serve_app(app) as stub.url:
+        yield stub
 
 
 @dataclass
