@@ -273,7 +273,7 @@ async def bench_ours(iters: int) -> tuple[list[Row], dict[str, float]]:
                 await asyncio.sleep(0.05)
             loc = StoreLocation.model_validate(
                 {k: v for k, v in r.json().items() if k in StoreLocation.model_fields})
-            freeze_startup_heap()  # as every role does once it serves (mooncake_server/heap.py)
+            freeze_startup_heap()  # as every role does once it serves (mooncake_server/instance/heap.py)
             for transport in ("shm", "tcp"):
                 engine = TransferEngine(secret=SECRET.encode(), serve=False, transport=transport)
                 try:
