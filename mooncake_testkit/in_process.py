@@ -43,6 +43,18 @@ def _url(sock: socket.socket) -> str:
     return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+def _started(server: uvicorn.Server, task: Any, deadline: float) -> bool:
+    """True once `server` serves; raises if its task (`serve()`) ended or the deadline passed."""
+    if server.started:
+        return True
+    if task.done():
+        task.result()  # raises the start-up error
+        raise RuntimeError("server exited during start-up")
+    if time.monotonic() > deadline:
+        raise RuntimeError("server did not start in time")
+    return False
+
+
 @contextlib.asynccontextmanager
 async def serve_app(app: Any, timeout_s: float = START_TIMEOUT_S) -> AsyncIterator[str]:
     """Run `app` (lifespan included) on a free 127.0.0.1 port in this event loop; yield its URL."""
@@ -51,12 +63,7 @@ async def serve_app(app: Any, timeout_s: float = START_TIMEOUT_S) -> AsyncIterat
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         deadline = time.monotonic() + timeout_s
-        while not server.started:
-            if task.done():
-                task.result()  # raises the start-up error
-                raise RuntimeError("server exited during start-up")
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start in time")
+        while not _started(server, task, deadline):
             await asyncio.sleep(0.01)
         yield _url(sock)
     finally:
@@ -81,12 +88,7 @@ class ServerThread:
         task = asyncio.run_coroutine_threadsafe(server.serve(sockets=[sock]), self.loop)
         self._servers.append((server, task, sock))
         deadline = time.monotonic() + timeout_s
-        while not server.started:
-            if task.done():
-                task.result()  # raises the start-up error
-                raise RuntimeError("server exited during start-up")
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start in time")
+        while not _started(server, task, deadline):
             time.sleep(0.02)
         return _url(sock)
 

@@ -72,3 +72,13 @@ def auto_dtype(cpu: CpuFeatures) -> str:
 def auto_quantization(cpu: CpuFeatures, dtype: str) -> str:
     """int8 weights where activations stay float32 and int8 kernels exist (AVX2-only parts)."""
     return "int8" if dtype == "float32" and cpu.int8 and not cpu.bf16 else "none"
+
+
+def resolve_dtype_name(name: str) -> str:
+    """--dtype as a concrete name ('auto' decided from this machine's CPU flags)."""
+    return auto_dtype(cpu_features()) if name == "auto" else name
+
+
+def resolve_quantization(name: str, dtype: str) -> str:
+    """--quantization as a concrete name ('auto': int8 where fp32 runs on a CPU without bf16)."""
+    return auto_quantization(cpu_features(), dtype) if name == "auto" else name

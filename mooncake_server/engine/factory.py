@@ -8,15 +8,9 @@ from dataclasses import dataclass
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.engine.core_budget import core_budget_for
-from mooncake_server.engine.cpu import cpu_features
+from mooncake_server.engine.cpu import cpu_features, resolve_dtype_name, resolve_quantization
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
-from mooncake_server.engine.model_runner import (
-    ModelRunner,
-    load_model,
-    resolve_dtype,
-    resolve_dtype_name,
-    resolve_quantization,
-)
+from mooncake_server.engine.model_runner import ModelRunner, load_model, resolve_dtype
 from mooncake_server.model_assets import resolve_model, served_name
 
 log = logging.getLogger(__name__)

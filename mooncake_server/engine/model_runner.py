@@ -18,7 +18,7 @@ from mooncake_server.engine.attention import (
     register_paged_attention,
 )
 from mooncake_server.engine.core_budget import CoreBudget, FixedThreads
-from mooncake_server.engine.cpu import auto_dtype, auto_quantization, cpu_features
+from mooncake_server.engine.cpu import resolve_dtype_name
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.linears import prepare_linears
 from mooncake_server.engine.sequence import Sequence
@@ -31,16 +31,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_dtype(name: str) -> torch.dtype:
     """Map --dtype to a torch dtype; 'auto' is bfloat16 where the CPU has bf16 hardware."""
     return _DTYPES[resolve_dtype_name(name)]
-
-
-def resolve_dtype_name(name: str) -> str:
-    """--dtype as a concrete name ('auto' decided from this machine's CPU flags)."""
-    return auto_dtype(cpu_features()) if name == "auto" else name
-
-
-def resolve_quantization(name: str, dtype: str) -> str:
-    """--quantization as a concrete name ('auto': int8 where fp32 runs on a CPU without bf16)."""
-    return auto_quantization(cpu_features(), dtype) if name == "auto" else name
 
 
 def load_model(model_path: str, dtype: torch.dtype, quantization: str = "none") -> torch.nn.Module:

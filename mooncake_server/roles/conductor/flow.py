@@ -31,7 +31,10 @@ class RequestFlow:
     move_target: str | None = None
     refused: set[str] = field(default_factory=set)  # decode instances that refused it
     # Keys of every full block of the tokens computed so far: the prompt's, extended on a move.
-    chain: list[str] = field(default_factory=list)
+    chain: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.chain = list(self.keys)
 
     @property
     def request_id(self) -> str:

@@ -161,8 +161,6 @@ class RequestMoves:
         # token is hashed once however often the request moves.
         computed = [*prompt, result.first_token, *flow.delivered[:-1]]
         bt = self._config.block_tokens
-        if not flow.chain:
-            flow.chain = list(flow.keys)
         done = len(flow.chain) * bt
         flow.chain += await block_keys_async(computed[done:], bt, self._namespace,
                                              after=flow.chain[-1] if flow.chain else None)

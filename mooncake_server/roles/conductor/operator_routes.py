@@ -74,18 +74,15 @@ class MovesCollector(Collector):
         """Samples at scrape time (zeros before the request path exists)."""
         found = self._path()
         stats = found.stats if found is not None else MoveStats()
-        moves = CounterMetricFamily("mooncake_conductor_decode_moves",
-                                    "Decoding requests moved to another decode instance",
-                                    labels=["reason"])
-        for reason, n in sorted(stats.decode_moves.items()):
-            moves.add_metric([reason], n)
-        yield moves
-        resends = CounterMetricFamily("mooncake_conductor_prefill_resends",
-                                      "Prefill jobs re-sent to another prefill instance",
-                                      labels=["reason"])
-        for reason, n in sorted(stats.prefill_resends.items()):
-            resends.add_metric([reason], n)
-        yield resends
+        for name, what, by_reason in (
+                ("mooncake_conductor_decode_moves",
+                 "Decoding requests moved to another decode instance", stats.decode_moves),
+                ("mooncake_conductor_prefill_resends",
+                 "Prefill jobs re-sent to another prefill instance", stats.prefill_resends)):
+            family = CounterMetricFamily(name, what, labels=["reason"])
+            for reason, n in sorted(by_reason.items()):
+                family.add_metric([reason], n)
+            yield family
         yield CounterMetricFamily("mooncake_conductor_duplicate_tokens_dropped",
                                   "Tokens a moved request produced again, not passed on",
                                   value=stats.duplicates_dropped)

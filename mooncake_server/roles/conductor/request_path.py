@@ -112,8 +112,9 @@ class RequestPath:
     def _count_reuse(self, cached: list[str]) -> None:
         """Count hits on the cached prefix; hot blocks gain replicas in the background."""
         self.store_master.note_hits(cached)
-        if self.store_master.hot_plan(cached):
-            self._spawn(self.store_master.replicate_hot(cached, self._http))
+        copies = self.store_master.hot_plan(cached)
+        if copies:
+            self._spawn(self.store_master.replicate_hot(cached, self._http, copies))
 
     async def _reserve_decode(self, flow: RequestFlow) -> None:
         """Decode admission before any prefill work: the planned decode instance (or the next

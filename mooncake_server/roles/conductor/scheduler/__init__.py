@@ -12,7 +12,7 @@ from typing import Any
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.cost_model.perf_model import PerfModel
-from mooncake_server.engine.cpu import auto_dtype, cpu_features
+from mooncake_server.engine.cpu import resolve_dtype_name
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.conductor.scheduler.local_index import LocalCacheIndex
 from mooncake_server.roles.conductor.scheduler.oracle import (
@@ -40,9 +40,8 @@ def kv_bytes_per_token(hf_config: Any, dtype: str) -> int | None:
         layers = int(hf_config.num_hidden_layers)
     except (AttributeError, TypeError, ValueError):
         return None
-    if dtype == "auto":
-        dtype = auto_dtype(cpu_features())  # as the engines on this machine decide it
-    return layers * 2 * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    # NOTE: 'auto' as the engines on this machine decide it
+    return layers * 2 * kv_heads * head_dim * _DTYPE_BYTES.get(resolve_dtype_name(dtype), 4)
 
 
 def load_perf_model(config: ServerConfig, hf_config: Any = None) -> PerfModel:

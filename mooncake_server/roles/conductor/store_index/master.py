@@ -202,9 +202,11 @@ class StoreMaster:
                     plan.append(CopyTask(key, size, holders[0][0], target))
         return plan
 
-    async def replicate_hot(self, keys: list[str], http: httpx.AsyncClient) -> int:
-        """Ask nodes to copy the hot keys among `keys`; return how many copies were made."""
-        plan = self.hot_plan(keys)
+    async def replicate_hot(self, keys: list[str], http: httpx.AsyncClient,
+                            plan: list[CopyTask] | None = None) -> int:
+        """Ask nodes to copy the hot keys among `keys` (`plan`: their `hot_plan`, if the
+        caller has it already); return how many copies were made."""
+        plan = self.hot_plan(keys) if plan is None else plan
         if not plan:
             return 0
         alive = self.live_nodes()
