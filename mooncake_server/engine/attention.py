@@ -1,17 +1,20 @@
-"""Paged attention for HuggingFace models, registered through transformers' AttentionInterface.
+"""Paged attention: write a pass's new K/V into the pool, then attend over cached context.
 
-The HF model runs unchanged; only its attention call is ours. A forward pass carries a packed,
-variable-length batch (`input_ids: [1, T]`, several sequences back to back). For each layer we
-write the new K/V into their cache slots, then attend in as few calls as the batch allows:
+A forward pass carries a packed, variable-length batch (several sequences back to back, `T` rows
+in all). For each layer `attend` writes the new K/V into their cache slots, then attends in as
+few calls as the batch allows:
 
-- every decoding sequence (one new token) in ONE batched call: their blocks gathered at block
-  granularity into a padded [B, kv_heads, blocks * block_tokens, head_dim] view, the padding
-  masked out;
-- a prompt with no cached context straight over its own new K/V (causal);
+- every decoding sequence (one new token) together: their K and V blocks gathered in ONE
+  `index_select` (a block's K and V of a layer are adjacent in the pool), laid out as
+  [B, kv_heads, blocks * block_tokens, head_dim], padding masked by an additive bias; scores and
+  weighted sum are two batched matmuls. torch's CPU flash kernel is tuned for long query blocks:
+  at one query row per sequence it took about twice as long as the matmuls;
+- a prompt with no cached context straight over its own new K/V (causal, flash kernel);
 - a prompt chunk with cached context over its gathered blocks, causally masked.
 
 The gather indices and masks depend only on the batch, so `AttentionPlan` builds them once per
-forward pass; per layer only a constant is added to them.
+forward pass; per layer only the layer index is added to them. `llama_stack.LlamaStack` calls
+`attend` directly; other HF models reach it through transformers' AttentionInterface.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class PromptSlice:
     q_start: int
     q_len: int
     ctx_len: int  # tokens attended to (cached + new)
-    # Cached context only: pool block-row of each context block's layer-0 K, and the causal mask.
+    # Cached context only: `pool_pairs` row of each context block's layer 0, and the causal mask.
     ctx_blocks: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
@@ -43,9 +46,9 @@ class DecodeBatch:
     """The decoding sequences of a pass: its first `size` rows, one token each."""
 
     size: int
-    ctx_blocks: torch.Tensor  # [size * max_blocks] long, padded with a valid block
+    ctx_blocks: torch.Tensor  # [size * max_blocks] long `pool_pairs` rows, padded with a valid one
     max_blocks: int
-    mask: torch.Tensor | None  # [size, 1, 1, max_blocks * block_tokens] bool; None: no padding
+    bias: torch.Tensor | None  # [size, 1, 1, max_blocks * block_tokens] 0 / -inf; None: no padding
 
 
 @dataclass
@@ -55,12 +58,12 @@ class AttentionPlan:
     The pool has two views of the same memory. `pool_rows` holds one token's K (or V) of one
     layer per row: token t of layer l lives at row `base(t) + (2 * l + kv) * block_tokens`, with
     `base(t) = block * layers * 2 * block_tokens + offset`; new tokens are written there.
-    `pool_blocks` holds one block's K (or V) of one layer per row: `(block * layers + l) * 2 + kv`;
-    context is read there, a block (not a token) per index.
+    `pool_pairs` holds one block's K and V of one layer per row: `block * layers + l`; context
+    is read there, a block (not a token) per index.
     """
 
     pool_rows: torch.Tensor  # [num_blocks * layers * 2 * block_tokens, kv_heads * head_dim]
-    pool_blocks: torch.Tensor  # [num_blocks * layers * 2, block_tokens * kv_heads * head_dim]
+    pool_pairs: torch.Tensor  # [num_blocks * layers, 2 * block_tokens * kv_heads * head_dim]
     block_tokens: int
     slot_rows: torch.Tensor  # [T] long: pool row of each new token's layer-0 K
     decode: DecodeBatch | None
@@ -76,12 +79,56 @@ def causal_mask(q_len: int, ctx_len: int, padded_len: int) -> torch.Tensor:
     return torch.arange(padded_len)[None, :] <= q_pos
 
 
-def _gather(plan: AttentionPlan, blocks: torch.Tensor, offset: int, shape: tuple[int, ...],
+def _gather(plan: AttentionPlan, rows: torch.Tensor, n: int, kv_heads: int, head_dim: int,
             ) -> torch.Tensor:
-    """Context K or V of `blocks` (+ layer offset) as [n, kv_heads, n_blocks * bt, head_dim]."""
-    n, tokens, kv_heads, head_dim = shape
-    rows = plan.pool_blocks.index_select(0, blocks + offset)
-    return rows.view(n, tokens, kv_heads, head_dim).transpose(1, 2)
+    """K and V of context blocks `rows` as [2, n, kv_heads, tokens, head_dim] (one copy each)."""
+    pairs = plan.pool_pairs.index_select(0, rows)
+    blocks = rows.numel() // n
+    bt = plan.block_tokens
+    return (pairs.view(n, blocks, 2, bt, kv_heads, head_dim).permute(2, 0, 4, 1, 3, 5)
+            .reshape(2, n, kv_heads, blocks * bt, head_dim))
+
+
+def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Write layer `layer`'s new K/V [T, kv_heads, d] to the pool; attend q [T, heads, d] -> same."""
+    tokens, kv_heads, head_dim = k.shape
+    heads = q.shape[1]
+    bt = plan.block_tokens
+    rows = plan.pool_rows
+    # NOTE: index_copy_ on the contiguous row view writes only the new slots; indexing the
+    # strided [blocks, layer, ...] view instead would copy the whole pool per layer.
+    rows.index_copy_(0, plan.slot_rows + 2 * layer * bt, k.reshape(tokens, -1))
+    rows.index_copy_(0, plan.slot_rows + (2 * layer + 1) * bt, v.reshape(tokens, -1))
+    if plan.on_layer is not None:
+        plan.on_layer(layer)
+
+    gqa = heads != kv_heads
+    out = q.new_empty(q.shape)  # contiguous, whatever q's strides
+    d = plan.decode
+    if d is not None:
+        b = d.size
+        kv = _gather(plan, d.ctx_blocks + layer, b, kv_heads, head_dim)
+        # Query head h reads KV head h // group, as in HF's repeat_kv.
+        qg = q[:b].view(b, kv_heads, heads // kv_heads, head_dim)
+        scores = torch.matmul(qg, kv[0].transpose(-1, -2)).float() * scale
+        if d.bias is not None:
+            scores += d.bias
+        weights = scores.softmax(-1).to(q.dtype)
+        out[:b] = torch.matmul(weights, kv[1]).view(b, heads, head_dim)
+    for p in plan.prompts:
+        sl = slice(p.q_start, p.q_start + p.q_len)
+        qp = q[sl].transpose(0, 1).unsqueeze(0)
+        if p.ctx_blocks is None:  # nothing cached: the new K/V are the whole context
+            o = F.scaled_dot_product_attention(qp, k[sl].transpose(0, 1).unsqueeze(0),
+                                               v[sl].transpose(0, 1).unsqueeze(0),
+                                               is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            kv = _gather(plan, p.ctx_blocks + layer, 1, kv_heads, head_dim)
+            o = F.scaled_dot_product_attention(qp, kv[0], kv[1], attn_mask=p.mask, scale=scale,
+                                               enable_gqa=gqa)
+        out[sl] = o[0].transpose(0, 1)
+    return out
 
 
 def paged_attention_forward(
@@ -95,49 +142,14 @@ def paged_attention_forward(
     paged_ctx: AttentionPlan | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Write new K/V into the paged pool, then attend each sequence over its cached context."""
-    plan = paged_ctx
-    if plan is None:
+    """transformers' attention interface over `attend`: returns [1, T, q_heads, head_dim]."""
+    if paged_ctx is None:
         raise RuntimeError("mooncake paged attention called without an AttentionPlan")
-    kv_heads, head_dim = key.shape[1], key.shape[3]
-    layer_idx: int = module.layer_idx  # type: ignore[attr-defined,assignment]
-    bt = plan.block_tokens
-    rows = plan.pool_rows
-    width = rows.shape[1]
-    # NOTE: index_copy_ on the contiguous row view writes only the new slots; indexing the
-    # strided [blocks, layer, ...] view instead would copy the whole pool per layer.
-    rows.index_copy_(0, plan.slot_rows + 2 * layer_idx * bt,
-                     key[0].transpose(0, 1).reshape(-1, width))
-    rows.index_copy_(0, plan.slot_rows + (2 * layer_idx + 1) * bt,
-                     value[0].transpose(0, 1).reshape(-1, width))
-    if plan.on_layer is not None:
-        plan.on_layer(layer_idx)
-
-    gqa = query.shape[1] != kv_heads
-    out = torch.empty_like(query)
-    d = plan.decode
-    if d is not None:
-        shape = (d.size, d.max_blocks * bt, kv_heads, head_dim)
-        k = _gather(plan, d.ctx_blocks, 2 * layer_idx, shape)
-        v = _gather(plan, d.ctx_blocks, 2 * layer_idx + 1, shape)
-        q = query[0, :, :d.size].transpose(0, 1).unsqueeze(2)  # [B, h, 1, d]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=scaling,
-                                           enable_gqa=gqa)
-        out[0, :, :d.size] = o.squeeze(2).transpose(0, 1)
-    for p in plan.prompts:
-        sl = slice(p.q_start, p.q_start + p.q_len)
-        q = query[:, :, sl]
-        if p.ctx_blocks is None:  # nothing cached: the new K/V are the whole context
-            o = F.scaled_dot_product_attention(q, key[:, :, sl], value[:, :, sl], is_causal=True,
-                                               scale=scaling, enable_gqa=gqa)
-        else:
-            shape = (1, p.ctx_blocks.numel() * bt, kv_heads, head_dim)
-            k = _gather(plan, p.ctx_blocks, 2 * layer_idx, shape)
-            v = _gather(plan, p.ctx_blocks, 2 * layer_idx + 1, shape)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=scaling,
-                                               enable_gqa=gqa)
-        out[:, :, sl] = o
-    return out.transpose(1, 2), None  # [1, T, q_heads, head_dim]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = attend(paged_ctx, module.layer_idx,  # type: ignore[arg-type]
+                 query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                 scale)
+    return out.unsqueeze(0), None
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

@@ -75,9 +75,9 @@ class PagedKVCache:
         self.pool = raw.view(layout.dtype).view(self.num_blocks, *layout.block_shape)
         # The same memory as rows of one token's K (or V) of one layer: what attention indexes.
         self.pool_rows = self.pool.view(-1, layout.kv_heads * layout.head_dim)
-        # ... and as rows of one block's K (or V) of one layer: what attention gathers context by.
-        self.pool_blocks = self.pool.view(-1, layout.block_tokens * layout.kv_heads
-                                          * layout.head_dim)
+        # ... and as rows of one block's K and V of one layer: what attention gathers context by.
+        self.pool_pairs = self.pool.view(-1, 2 * layout.block_tokens * layout.kv_heads
+                                         * layout.head_dim)
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
 
     @property

@@ -21,6 +21,7 @@ from mooncake_server.engine.core_budget import CoreBudget, FixedThreads
 from mooncake_server.engine.cpu import resolve_dtype_name
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.linears import prepare_linears
+from mooncake_server.engine.llama_stack import LlamaStack, supports
 from mooncake_server.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -33,13 +34,22 @@ def resolve_dtype(name: str) -> torch.dtype:
     return _DTYPES[resolve_dtype_name(name)]
 
 
+def packed_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """The forward a runner drives: the lean `LlamaStack` where the model allows, else HF's."""
+    if isinstance(model, LlamaStack) or not supports(model):
+        return model
+    return LlamaStack(model).eval()
+
+
 def load_model(model_path: str, dtype: torch.dtype, quantization: str = "none") -> torch.nn.Module:
     """Load HF weights with our paged attention and the CPU's fast linears; inference mode, eval."""
     impl = register_paged_attention()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=impl)
-    model.eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=impl)
+    # Fuse before quantizing or packing: the fast kernels then apply to the fused linears.
+    model = packed_forward(hf.eval())
     done = prepare_linears(model, dtype, quantization)
-    log.info("linears: %s", done)
+    log.info("forward: %s; linears: %s",
+             "lean Llama stack" if isinstance(model, LlamaStack) else "HF modules", done)
     return model
 
 
@@ -56,7 +66,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, kv: PagedKVCache,
                  cores: CoreBudget | FixedThreads | None = None) -> None:
-        self.model = model
+        self.model = packed_forward(model)
         self.kv = kv
         self.layout: KVLayout = kv.layout
         self.cores = cores or FixedThreads(None)
@@ -71,21 +81,21 @@ class ModelRunner:
         """
         self.cores.enter_step()
         plan, input_ids, positions, last_rows = self._plan(items, on_layer)
-        out = self.model(
-            input_ids=torch.tensor([input_ids], dtype=torch.long),
-            position_ids=torch.tensor([positions], dtype=torch.long),
-            use_cache=False,
-            logits_to_keep=torch.tensor(last_rows, dtype=torch.long),
-            paged_ctx=plan,
-        )
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        rows = torch.tensor(last_rows, dtype=torch.long)
+        if isinstance(self.model, LlamaStack):
+            return self.model(ids, pos, rows, plan).float()
+        out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
+                         logits_to_keep=rows, paged_ctx=plan)
         return out.logits[0].float()
 
     def _plan(self, items: Seq[StepItem], on_layer: Callable[[int], None] | None,
               ) -> tuple[AttentionPlan, list[int], list[int], list[int]]:
         """Pack the batch (decoding sequences first, then prompt chunks) and index its KV."""
         bt = self.layout.block_tokens
-        layers2 = self.layout.num_layers * 2  # block-rows per block in `pool_blocks`
-        block_rows = layers2 * bt  # token-rows per block in `pool_rows`
+        layers = self.layout.num_layers  # rows per block in `pool_pairs`
+        block_rows = layers * 2 * bt  # token-rows per block in `pool_rows`
         for it in items:
             end = it.seq.num_computed + it.num_new
             if len(it.seq.block_ids) * bt < end:
@@ -114,13 +124,14 @@ class ModelRunner:
                 last_rows[i] = row
             width = max(len(t) for t in tables)
             padded = [t + [t[0]] * (width - len(t)) for t in tables]
-            blocks = torch.tensor(padded, dtype=torch.long).view(-1) * layers2
-            mask = None
+            blocks = torch.tensor(padded, dtype=torch.long).view(-1) * layers
+            bias = None
             if any(n != width * bt for n in lens):
-                mask = (torch.arange(width * bt)[None, :]
-                        < torch.tensor(lens)[:, None]).view(len(lens), 1, 1, width * bt)
+                pad = torch.arange(width * bt)[None, :] >= torch.tensor(lens)[:, None]
+                bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
+                bias = bias.view(len(lens), 1, 1, width * bt)
             decode = DecodeBatch(size=len(decodes), ctx_blocks=blocks, max_blocks=width,
-                                 mask=mask)
+                                 bias=bias)
         slot_parts = [torch.tensor(slots, dtype=torch.long)] if slots else []
         prompt_slices: list[PromptSlice] = []
         for i in prompts:
@@ -134,12 +145,12 @@ class ModelRunner:
                 prompt_slices.append(PromptSlice(q_start, n, end))
             else:
                 prompt_slices.append(PromptSlice(
-                    q_start, n, end, ctx_blocks=table * layers2,
+                    q_start, n, end, ctx_blocks=table * layers,
                     mask=causal_mask(n, end, len(table) * bt)))
             input_ids.extend(s.token_ids[start:end])
             positions.extend(range(start, end))
             last_rows[i] = len(input_ids) - 1
-        plan = AttentionPlan(pool_rows=self.kv.pool_rows, pool_blocks=self.kv.pool_blocks,
+        plan = AttentionPlan(pool_rows=self.kv.pool_rows, pool_pairs=self.kv.pool_pairs,
                              block_tokens=bt, slot_rows=torch.cat(slot_parts), decode=decode,
                              prompts=prompt_slices, on_layer=on_layer)
         return plan, input_ids, positions, last_rows

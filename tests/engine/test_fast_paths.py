@@ -1,4 +1,5 @@
-"""The fast paths give HF's answers: batched decode attention, bf16 packed and int8 linears."""
+"""The fast paths give HF's answers: the lean Llama stack, batched decode attention, bf16 packed
+and int8 linears; models the lean stack does not cover keep HF's own forward."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from test_engine_loop import collect, hf_greedy, make_backend
 
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.linears import bf16_packing_supported, prepare_linears
-from mooncake_server.engine.model_runner import ModelRunner, StepItem
+from mooncake_server.engine.llama_stack import LlamaStack, supports
+from mooncake_server.engine.model_runner import ModelRunner, StepItem, packed_forward
 from mooncake_server.engine.sequence import Sequence
 from mooncake_server.wire.jobs import SamplingParams
 
@@ -22,6 +24,22 @@ def _seq(kv: PagedKVCache, rid: str, tokens: list[int]) -> Sequence:
     seq = Sequence(rid, list(tokens), len(tokens), GREEDY, 512)
     seq.block_ids = kv.allocate(kv.layout.blocks_for(len(tokens) + 1))
     return seq
+
+
+def _runner_greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens from stepping one sequence by hand: its prompt, then n - 1 decodes."""
+    kv = runner.kv
+    seq = _seq(kv, "r", prompt)
+    seq.block_ids += kv.allocate(kv.layout.blocks_for(len(prompt) + n) - len(seq.block_ids))
+    out: list[int] = []
+    logits = runner.step([StepItem(seq, len(prompt))])
+    for _ in range(n):
+        seq.num_computed = len(seq.token_ids)
+        seq.token_ids.append(int(logits[0].argmax()))
+        out.append(seq.token_ids[-1])
+        logits = runner.step([StepItem(seq, 1)])
+    kv.free(seq.block_ids)
+    return out
 
 
 def test_one_mixed_step_equals_each_sequence_alone(tiny_model_pair) -> None:
@@ -84,8 +102,11 @@ def test_colocated_prompt_chunks_are_capped_while_sequences_decode(tiny_model_pa
 
 def _greedy_with_linears(tiny_model_pair, dtype: torch.dtype, quantization: str) -> None:
     ref, paged = (copy.deepcopy(m).to(dtype) for m in tiny_model_pair)
-    # HF runs the same linears: the reference differs from ours only in attention and batching.
+    # HF runs the same kernels: the reference differs from ours only in attention, batching and
+    # the fused qkv / gate|up linears (quantized per output channel, so fusing changes nothing).
     prepare_linears(ref, dtype, quantization)
+    paged = packed_forward(paged)
+    assert isinstance(paged, LlamaStack)
     prepare_linears(paged, dtype, quantization)
     layout = KVLayout.from_model_config(paged.config, 4, dtype)
     kv = PagedKVCache(layout, num_blocks=200)
@@ -93,17 +114,7 @@ def _greedy_with_linears(tiny_model_pair, dtype: torch.dtype, quantization: str)
     g = torch.Generator().manual_seed(5)
     for n in (3, 18, 41):
         prompt = torch.randint(2, 250, (n,), generator=g).tolist()
-        seq = _seq(kv, "r", prompt)
-        seq.block_ids += kv.allocate(kv.layout.blocks_for(n + 12) - len(seq.block_ids))
-        out: list[int] = []
-        logits = runner.step([StepItem(seq, n)])
-        for _ in range(12):
-            seq.num_computed = len(seq.token_ids)
-            seq.token_ids.append(int(logits[0].argmax()))
-            out.append(seq.token_ids[-1])
-            logits = runner.step([StepItem(seq, 1)])
-        kv.free(seq.block_ids)
-        assert out == hf_greedy(ref, prompt, 12)
+        assert _runner_greedy(runner, prompt, 12) == hf_greedy(ref, prompt, 12)
 
 
 @pytest.mark.skipif(not bf16_packing_supported(), reason="this CPU/torch has no oneDNN bf16")
@@ -127,3 +138,40 @@ def test_packed_bf16_linear_is_bit_identical_to_plain_bf16(tiny_model_pair) -> N
     holder = torch.nn.Sequential(lin)
     prepare_linears(holder, torch.bfloat16, "none")
     assert torch.equal(holder(x), expected)
+
+
+def test_lean_stack_logits_equal_hf_forward_in_float32(tiny_model_pair) -> None:
+    """Fused qkv / gate|up, one-pass rope and fused RMSNorm compute HF's logits."""
+    ref, paged = tiny_model_pair
+    layout = KVLayout.from_model_config(paged.config, 4, torch.float32)
+    kv = PagedKVCache(layout, num_blocks=64)
+    runner = ModelRunner(paged, kv)
+    assert isinstance(runner.model, LlamaStack)
+    prompt = torch.randint(2, 250, (23,), generator=torch.Generator().manual_seed(6)).tolist()
+    seq = _seq(kv, "r", prompt)
+    ours = runner.step([StepItem(seq, len(prompt))])[0]
+    with torch.inference_mode():
+        theirs = ref(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_models_the_lean_stack_does_not_cover_run_hf_modules() -> None:
+    """A Qwen3-style model (q/k norms in attention) decodes through HF's forward, exactly."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from mooncake_server.engine.attention import register_paged_attention
+
+    torch.manual_seed(7)
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=512, eos_token_id=None)
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
+    paged = AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                             attn_implementation=register_paged_attention())
+    paged.load_state_dict(ref.state_dict())
+    assert not supports(paged)
+    kv = PagedKVCache(KVLayout.from_model_config(cfg, 4, torch.float32), num_blocks=64)
+    runner = ModelRunner(paged.eval(), kv)
+    assert not isinstance(runner.model, LlamaStack)
+    prompt = torch.randint(2, 250, (11,), generator=torch.Generator().manual_seed(8)).tolist()
+    assert _runner_greedy(runner, prompt, 6) == hf_greedy(ref, prompt, 6)

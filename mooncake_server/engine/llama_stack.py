@@ -1,0 +1,135 @@
+"""A lean forward pass for Llama-shaped decoders: HF's weights and math, fewer calls per layer.
+
+On a small model the arithmetic of a decode step is a few milliseconds; the rest of a step in
+HF's module tree was Python and op dispatch (a profile of a one-token step: about half of its
+time outside the linears). This forward keeps HF's modules for what is model-specific (token
+embedding, rotary tables of any rope type, final norm, lm_head) and runs each decoder layer as
+a flat sequence of calls:
+
+    x += o(attend(rope(qkv(norm(x))))) ;  x += down(silu(gate) * up)  with gate|up = gate_up(norm(x))
+
+- q, k and v are one linear (their weights stacked once at load); gate and up likewise: 4
+  GEMMs per layer instead of 7, and the quantized / prepacked kernels then apply to the fused
+  ones;
+- rope is applied to q and k heads in one pass; RMSNorm uses torch's fused kernel in float32
+  (bit-identical to HF's there) and HF's own module in other dtypes;
+- the packed batch stays 2-D [tokens, hidden]: no batch dimension, no per-layer mask.
+
+Architectures whose layers carry more than this (q/k norms, sliding windows, logit soft-capping,
+embedding multipliers) keep HF's forward with our attention plugged in (`supports`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mooncake_server.engine.attention import AttentionPlan, attend
+
+# model_type -> the layer shape this forward reproduces exactly
+_SUPPORTED = {"llama", "mistral", "qwen2"}
+
+
+def supports(model: nn.Module) -> bool:
+    """The model's decoder layers are plain Llama-shaped (what `LlamaStack` reproduces)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in _SUPPORTED:
+        return False
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
+        return False
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return False  # a window would change which keys a token sees
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+        return False
+    need = ("q_proj", "k_proj", "v_proj", "o_proj")
+    return all(all(type(getattr(layer.self_attn, n, None)) is nn.Linear for n in need)
+               and all(type(getattr(layer.mlp, n, None)) is nn.Linear
+                       for n in ("gate_proj", "up_proj", "down_proj"))
+               for layer in layers)
+
+
+def _stack(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear whose output is the given linears' outputs side by side."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=biases[0] is not None,
+                      dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([b.detach() for b in biases]),  # type: ignore[misc]
+                                  requires_grad=False)
+    return fused
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF's RMSNorm; in float32 torch's fused kernel gives the same bits in one call."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight,  # type: ignore[arg-type]
+                          norm.variance_epsilon)  # type: ignore[arg-type]
+    return norm(x)
+
+
+class LlamaLayer(nn.Module):
+    """One decoder layer's weights: fused qkv and gate|up, HF's norms and output projections."""
+
+    def __init__(self, hf_layer: nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.layer_idx: int = attn.layer_idx
+        self.scale: float = attn.scaling
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.qkv = _stack([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up = _stack([mlp.gate_proj, mlp.up_proj])
+        self.down = mlp.down_proj
+        self.input_norm = hf_layer.input_layernorm
+        self.post_norm = hf_layer.post_attention_layernorm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                plan: AttentionPlan) -> torch.Tensor:
+        """x [T, hidden] -> x after attention and MLP (residuals added)."""
+        tokens = x.shape[0]
+        qkv = self.qkv(_rms_norm(self.input_norm, x))
+        rotated = self.heads + self.kv_heads
+        qk = qkv[:, :rotated * self.head_dim].view(tokens, rotated, self.head_dim)
+        half = self.head_dim // 2
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        v = qkv[:, rotated * self.head_dim:].view(tokens, self.kv_heads, self.head_dim)
+        out = attend(plan, self.layer_idx, qk[:, :self.heads], qk[:, self.heads:], v,
+                     self.scale)
+        x = x + self.o_proj(out.view(tokens, -1))
+        gate, up = self.gate_up(_rms_norm(self.post_norm, x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaStack(nn.Module):
+    """The whole causal LM as embed -> LlamaLayer x N -> norm -> lm_head over a packed batch."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        cfg = model.config
+        self.config = cfg
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.layers = nn.ModuleList(LlamaLayer(layer, heads, kv_heads, head_dim)
+                                    for layer in inner.layers)
+        self.norm = inner.norm
+        self.lm_head = model.lm_head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor,
+                plan: AttentionPlan) -> torch.Tensor:
+        """Logits [len(last_rows), vocab] of the packed rows `last_rows`."""
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(x, positions[None])
+        # [1, T, d] -> [T, 1, d]: broadcast over the q and k heads of each row.
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, plan)
+        return self.lm_head(_rms_norm(self.norm, x.index_select(0, last_rows)))
