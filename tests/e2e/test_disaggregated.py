@@ -144,6 +144,49 @@ def test_eight_concurrent_streams_share_decode_steps(all_cluster, tokenizer, hf_
     assert metric(all_cluster, 3, "mooncake_engine_max_batch_size") > 1
 
 
+def test_prompts_queued_behind_a_long_prefill_share_one_forward(all_cluster, tokenizer,
+                                                                hf_greedy) -> None:
+    """Short prompts arriving while a long one is prefilled are computed together, exactly."""
+    url, headers = all_cluster.url, all_cluster.internal_headers
+    long_msgs = [{"role": "user", "content": long_document(110, seed=31)}]
+    shorts = [[{"role": "user", "content": f"Name a {thing} and say why."}]
+              for thing in ("fruit", "bird", "tool", "city")]
+
+    def body(msgs: list[dict], n: int) -> dict:
+        return {"model": MODEL, "messages": msgs, "max_tokens": n, "temperature": 0}
+
+    async def scenario() -> tuple[httpx.Response, list[httpx.Response]]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            long_task = asyncio.create_task(
+                client.post(url + "/v1/chat/completions", json=body(long_msgs, 4)))
+
+            async def long_in_prefill() -> bool:
+                r = await client.get(url + "/internal/requests", headers=headers)
+                return any(item["phase"] == "prefill" for item in r.json())
+
+            while not await long_in_prefill():
+                assert not long_task.done(), long_task.result().text
+                await asyncio.sleep(0.005)
+            replies = await asyncio.gather(*(
+                client.post(url + "/v1/chat/completions", json=body(m, 8)) for m in shorts))
+            return await long_task, list(replies)
+
+    def batches() -> tuple[float, float]:
+        """(forward batches, batches of one job) the prefill instance ran so far."""
+        return (metric(all_cluster, 2, "mooncake_prefill_batch_jobs_count"),
+                metric(all_cluster, 2, 'mooncake_prefill_batch_jobs_bucket{le="1.0"}'))
+
+    total0, single0 = batches()
+    long_reply, replies = asyncio.run(scenario())
+    total, single = batches()
+    assert (total - total0) - (single - single0) >= 1  # at least two shorts in one pass
+    for msgs, reply, n in zip([long_msgs, *shorts], [long_reply, *replies], [4, 8, 8, 8, 8]):
+        assert reply.status_code == 200, reply.text
+        expected = hf_greedy(chat_ids(tokenizer, msgs), n)
+        assert reply.json()["choices"][0]["message"]["content"] == tokenizer.decode(
+            expected, skip_special_tokens=True)
+
+
 def test_kv_blocks_are_checksum_verified_on_read(all_cluster) -> None:
     chat(all_cluster, [{"role": "user", "content": long_document(10, seed=9)}], 4)
     assert metric(all_cluster, 3, "mooncake_decode_kv_blocks_verified_total") > 0
