@@ -135,7 +135,7 @@ class ServerConfig:
     # Cores the engine processes of this machine share (`--role all`); None = all of them.
     cpu_budget: int | None = _setting(
         None, "--cpu-budget",
-        "cores the engine processes of one machine share, lent to whichever has work "
+        "cores the engine processes of one machine take turns on, one forward pass at a time "
         "(default: all cores)", ENGINES)
     # The board the engine processes of one machine share the budget on (`--role all` sets it).
     cpu_share_path: str | None = _setting(

@@ -1,14 +1,18 @@
-"""Cores as a budget the engine processes of one machine share, lent to whichever has work.
+"""Cores as a budget the engine processes of one machine share: they take turns on all of them.
 
-`--role all` runs a prefill and a decode process on the same cores. With torch's default thread
-team in each, both run two OpenMP teams on two cores whenever both have work, and the teams'
-barriers thrash (a 16-stream decode fell to half its speed); a static split instead halves a
-lone prefill. So each engine process announces, in a small shared file, whether it has work; before
-every forward pass it sizes its thread team to an equal share of the budget among the processes
-that have work: all of it alone, half of it beside one other.
+`--role all` runs a prefill and a decode process on the same cores. Running both at once made
+both crawl: on the 2-core machine here a 15-prompt, 1920-token prefill took 0.51 s alone and
+2.1-2.8 s beside a one-token decode loop with the team split 2 + 1 threads, 3.6 s with 1 + 1
+(`scripts/bench_serving.py` showed it as an 8 s TTFT for 16 concurrent streams). So a forward
+pass holds the machine: each engine process takes the turn before a pass, runs it with the whole
+budget's thread team, and hands the turn on after it; a process that just had a turn lets a
+waiting one go first, so a prefill and a decode alternate pass by pass. The prefill keeps its
+passes short (--decode-chunk tokens) while a decode has work, which bounds the decode's token
+gap to about two passes.
 
-The board is a file of fixed slots (pid, active) mapped by every process; a slot is claimed under
-an flock, and a slot whose pid is gone (a SIGKILLed process) counts as idle.
+The board is a file of fixed slots (pid, active, waiting) mapped by every process; the turn is an
+flock on it (the kernel drops it with a SIGKILLed holder), and a slot whose pid is gone counts as
+idle.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import torch
 log = logging.getLogger(__name__)
 
 _SLOTS = 64
-_SLOT = struct.Struct("<qq")  # pid, active
+_SLOT = struct.Struct("<qqq")  # pid, active, waiting for the turn
+_LAST = struct.Struct("<q")  # after the slots: pid of the last turn's holder
+_BOARD_BYTES = _SLOTS * _SLOT.size + _LAST.size
+_YIELD_S = 0.0005  # how long a process that just had the turn steps aside for a waiting one
 _LIVENESS_EVERY_S = 1.0
 
 
@@ -38,13 +45,8 @@ def machine_cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads_for(budget: int, others_active: int) -> int:
-    """An equal share of `budget` cores among this process and the others that have work."""
-    return max(1, budget // (1 + others_active))
-
-
 class CoreBudget:
-    """This process's slot on the shared board, and the thread team it may run now."""
+    """This process's slot on the shared board, and its turns on the cores."""
 
     def __init__(self, path: str | Path, budget: int) -> None:
         self.budget = max(1, budget)
@@ -52,31 +54,38 @@ class CoreBudget:
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
-            if os.fstat(self._fd).st_size < _SLOTS * _SLOT.size:
-                os.ftruncate(self._fd, _SLOTS * _SLOT.size)
-            self._map = mmap.mmap(self._fd, _SLOTS * _SLOT.size)
+            if os.fstat(self._fd).st_size < _BOARD_BYTES:
+                os.ftruncate(self._fd, _BOARD_BYTES)
+            self._map = mmap.mmap(self._fd, _BOARD_BYTES)
             self._slot = self._claim()
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         self._alive: dict[int, bool] = {}
         self._checked_at = 0.0
         self._threads = 0
+        self._active = 0
+        self._waiting = 0
         log.info("core budget %d shared through %s (slot %d)", self.budget, path, self._slot)
 
     def _claim(self) -> int:
         for i in range(_SLOTS):
-            pid, _ = _SLOT.unpack_from(self._map, i * _SLOT.size)
+            pid, _, _ = _SLOT.unpack_from(self._map, i * _SLOT.size)
             if pid == 0 or pid == self.pid or not _pid_alive(pid):
-                _SLOT.pack_into(self._map, i * _SLOT.size, self.pid, 0)
+                _SLOT.pack_into(self._map, i * _SLOT.size, self.pid, 0, 0)
                 return i
         raise RuntimeError(f"core budget board full ({_SLOTS} engine processes)")
 
     def set_active(self, active: bool) -> None:
-        """Say whether this process has work (queued or running); others shrink their teams."""
-        _SLOT.pack_into(self._map, self._slot * _SLOT.size, self.pid, int(active))
+        """Say whether this process has work (queued or running); a prefill shortens its passes."""
+        self._active = int(active)
+        self._write_slot()
 
-    def others_active(self) -> int:
-        """Engine processes other than this one that have work now."""
+    def _write_slot(self) -> None:
+        _SLOT.pack_into(self._map, self._slot * _SLOT.size, self.pid, self._active,
+                        self._waiting)
+
+    def _others(self, field: int) -> int:
+        """Live engine processes other than this one whose slot has `field` (1 active, 2 waiting)."""
         now = time.monotonic()
         if now - self._checked_at > _LIVENESS_EVERY_S:
             self._alive.clear()
@@ -85,29 +94,51 @@ class CoreBudget:
         for i in range(_SLOTS):
             if i == self._slot:
                 continue
-            pid, active = _SLOT.unpack_from(self._map, i * _SLOT.size)
-            if pid and active:
+            slot = _SLOT.unpack_from(self._map, i * _SLOT.size)
+            pid = slot[0]
+            if pid and slot[field]:
                 alive = self._alive.get(pid)
                 if alive is None:
                     alive = self._alive[pid] = _pid_alive(pid)
                 n += alive
         return n
 
-    def enter_step(self) -> int:
-        """Size this thread's torch team for the next forward pass; returns the thread count.
+    def others_active(self) -> int:
+        """Engine processes other than this one that have work now."""
+        return self._others(1)
 
-        Must run on the thread that runs the forward: OpenMP's team size is per calling thread.
+    def enter_step(self) -> int:
+        """Wait for this process's turn on the cores, then size its team; returns the threads.
+
+        Must run on the thread that runs the forward (OpenMP's team size is per calling thread),
+        and be followed by `exit_step` once the pass is done.
         """
-        threads = threads_for(self.budget, self.others_active())
-        if threads != self._threads:
-            torch.set_num_threads(threads)
-            self._threads = threads
-        return threads
+        self._waiting = 1
+        self._write_slot()
+        while True:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            (last,) = _LAST.unpack_from(self._map, _SLOTS * _SLOT.size)
+            if last != self.pid or not self._others(2):
+                break
+            # This process had the last turn and another one waits: it goes first.
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            time.sleep(_YIELD_S)
+        _LAST.pack_into(self._map, _SLOTS * _SLOT.size, self.pid)
+        self._waiting = 0
+        self._write_slot()
+        if self._threads != self.budget:
+            torch.set_num_threads(self.budget)
+            self._threads = self.budget
+        return self.budget
+
+    def exit_step(self) -> None:
+        """Hand the turn on."""
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         """Free the slot."""
         try:
-            _SLOT.pack_into(self._map, self._slot * _SLOT.size, 0, 0)
+            _SLOT.pack_into(self._map, self._slot * _SLOT.size, 0, 0, 0)
             self._map.close()
         finally:
             os.close(self._fd)
@@ -131,6 +162,9 @@ class FixedThreads:
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         return self.threads
+
+    def exit_step(self) -> None:
+        """No turn to hand on."""
 
     def close(self) -> None:
         """Nothing held."""

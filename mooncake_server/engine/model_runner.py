@@ -80,6 +80,13 @@ class ModelRunner:
         `on_layer(l)` is called as soon as layer l's new K/V are written to the pool.
         """
         self.cores.enter_step()
+        try:
+            return self._forward(items, on_layer)
+        finally:
+            self.cores.exit_step()
+
+    def _forward(self, items: Seq[StepItem],
+                 on_layer: Callable[[int], None] | None) -> torch.Tensor:
         plan, input_ids, positions, last_rows = self._plan(items, on_layer)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)

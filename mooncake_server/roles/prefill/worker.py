@@ -8,11 +8,12 @@ A job walks, in order:
   kept in the local cache, the rest freed -> the cache's changes reported to the conductor ->
   result. Blocks the store cannot take are left for decode to recompute.
 
-Jobs that arrive while a pass runs wait; the next pass takes as many of them as fit in one
+Jobs that arrive while a pass runs wait; the next batch takes as many of them as fit in one
 chunk of --prefill-chunk tokens and computes them in ONE forward pass (a packed batch of
 prompts). Served one after another, sixteen 128-token prompts arriving together waited for each
 other's whole job (forward, checksums, store writes, cache report) in turn. A prompt longer than
-a chunk runs alone, chunk by chunk. Each layer's new K/V go to the store as soon as the layer is
+a chunk runs alone, chunk by chunk; passes are sized anew each time, so they shrink to
+--decode-chunk while a decode on the same cores has work. Each layer's new K/V go to the store as soon as the layer is
 computed (--kv-write layer; `after` writes whole blocks once the forward is done; `auto` picks).
 """
 
@@ -25,7 +26,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mooncake_server.config import ServerConfig
@@ -151,47 +151,91 @@ class PrefillWorker:
         return batch
 
     async def _run_batch(self, batch: list[_Task]) -> None:
-        """Prepare, compute and finish one batch; each job's error is its own."""
-        ready: list[_Task] = []
+        """Prepare the batch, then step it; each job is answered once its prompt is computed."""
+        pending: list[_Task] = []
         for task in batch:
             try:
                 await self._prepare(task)
-                ready.append(task)
+                pending.append(task)
             except BaseException as exc:  # noqa: BLE001 - handed to that job's caller
                 self._fail(task, exc)
                 if not isinstance(exc, Exception):
                     raise
-        if not ready:
-            return
-        self.metrics.batch_jobs.observe(len(ready))
-        try:
-            firsts = await self._compute(ready)
-        except BaseException as exc:  # noqa: BLE001 - every job of the pass failed with it
-            for task in ready:
-                if task.stream is not None:
-                    await task.stream.abort()
-                self._fail(task, exc)
-            if not isinstance(exc, Exception):
-                raise
-            return
-        results: list[tuple[_Task, PrefillResult | BaseException]] = []
-        for task, first in zip(ready, firsts):
+        if pending:
+            self.metrics.batch_jobs.observe(len(pending))
+        while pending:
             try:
-                results.append((task, await self._finish(task, first)))
-            except Exception as exc:  # noqa: BLE001 - handed to that job's caller
-                results.append((task, exc))
+                done = await self._step(pending)
+            except BaseException as exc:  # noqa: BLE001 - every job of the pass failed with it
+                for task in pending:
+                    if task.stream is not None:
+                        await task.stream.abort()
+                    self._fail(task, exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            pending = [t for t in pending if t.seq is not None and t.seq.num_pending > 0]
+            await self._answer(done)
+
+    async def _step(self, pending: list[_Task]) -> list[tuple[_Task, int]]:
+        """One forward pass over the oldest pending tokens, within one chunk; who completed.
+
+        The chunk is sized per pass (`_chunk_tokens`): once a decode beside this prefill
+        wakes, the passes after it shrink, and each sizes its thread team anew.
+        """
+        left = self._chunk_tokens()
+        items: list[tuple[_Task, StepItem]] = []
+        for task in pending:
+            seq = task.seq
+            assert seq is not None  # _prepare gave it one
+            if left <= 0:
+                break
+            chunk = min(seq.num_pending, left)
+            left -= chunk
+            end = seq.num_computed + chunk
+            if task.stream is not None:
+                task.stream.plan_chunk(end, final=end >= len(seq.token_ids))
+            items.append((task, StepItem(seq, chunk)))
+        streams = [t.stream for t, _ in items if t.stream is not None]
+
+        def on_layer(layer: int) -> None:
+            for stream in streams:
+                stream.on_layer(layer)
+
+        logits = await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.runner.step, [it for _, it in items],
+            on_layer if streams else None)
+        for stream in streams:
+            stream.after_chunk()
+        done = []
+        for row, (task, item) in enumerate(items):
+            item.seq.num_computed += item.num_new
+            if item.seq.num_pending == 0:
+                done.append((task, sample_token(logits[row], item.seq.sampling,
+                                                item.seq.generator)))
+        return done
+
+    async def _answer(self, done: list[tuple[_Task, int]]) -> None:
+        """Finish the completed jobs, report the cache's changes, then answer their callers."""
+        if not done:
+            return
+        # The jobs' checksums and store writes are independent: all in flight at once.
+        outcomes = await asyncio.gather(*(self._finish(task, first) for task, first in done),
+                                        return_exceptions=True)
         self.metrics.cache_blocks.set(self.cache.num_cached)
         if self.reporter is not None:
             # Before the results return: the conductor plans the next request with these
             # jobs' blocks already in its view of this instance.
             await self.reporter.flush()
-        for task, outcome in results:
+        for (task, _), outcome in zip(done, outcomes):
             if task.done.done():
                 continue
-            if isinstance(outcome, BaseException):
+            if isinstance(outcome, PrefillResult):
+                task.done.set_result(outcome)
+            elif isinstance(outcome, Exception):
                 task.done.set_exception(outcome)
             else:
-                task.done.set_result(outcome)
+                raise outcome  # cancelled: the worker is shutting down
 
     def _fail(self, task: _Task, exc: BaseException) -> None:
         """Free what the job holds and hand `exc` to its caller."""
@@ -237,38 +281,6 @@ class PrefillWorker:
                     [min((i + 1) * bt, n) for i in task.write], seq.num_computed)
             except StoreError as exc:
                 log.warning("cannot reserve store space, writing after the forward: %s", exc)
-
-    async def _compute(self, batch: list[_Task]) -> list[int]:
-        """Forward the batch's uncached tokens (a lone long prompt chunk by chunk); first tokens."""
-        loop = asyncio.get_running_loop()
-        seqs = [t.seq for t in batch]
-        assert all(s is not None for s in seqs)  # _prepare gave every task its sequence
-        streams = [t.stream for t in batch if t.stream is not None]
-
-        def on_layer(layer: int) -> None:
-            for stream in streams:
-                stream.on_layer(layer)
-
-        logits: torch.Tensor | None = None
-        while any(s.num_pending > 0 for s in seqs):
-            budget = self._chunk_tokens()
-            items = []
-            for s, task in zip(seqs, batch):
-                # Batched prompts fit one chunk together (_take_batch); a lone one is chunked.
-                chunk = min(s.num_pending, budget) if len(seqs) == 1 else s.num_pending
-                end = s.num_computed + chunk
-                if task.stream is not None:
-                    task.stream.plan_chunk(end, final=end >= len(s.token_ids))
-                items.append(StepItem(s, chunk))
-            logits = await loop.run_in_executor(self.executor, self.runner.step, items,
-                                                on_layer if streams else None)
-            for stream in streams:
-                stream.after_chunk()
-            for item in items:
-                item.seq.num_computed += item.num_new
-        if logits is None:
-            raise RuntimeError("prefill batch had nothing to compute")  # NOTE: a bug here
-        return [sample_token(logits[i], s.sampling, s.generator) for i, s in enumerate(seqs)]
 
     async def _finish(self, task: _Task, first: int) -> PrefillResult:
         """Checksums, the store writes committed, full blocks kept in the local cache."""
