@@ -1,9 +1,10 @@
 """Cores as a budget the engine processes of one machine share: they take turns on all of them.
 
 `--role all` runs a prefill and a decode process on the same cores. Running both at once made
-both crawl: on the 2-core machine here a 15-prompt, 1920-token prefill took 0.51 s alone and
-2.1-2.8 s beside a one-token decode loop with the team split 2 + 1 threads, 3.6 s with 1 + 1
-(`scripts/bench_serving.py` showed it as an 8 s TTFT for 16 concurrent streams). So a forward
+both crawl: on the 2-core machine here a 15-prompt, 1920-token bf16 prefill took 0.51 s alone
+and 2.1-2.8 s beside a one-token decode loop with the team split 2 + 1 threads; in
+`scripts/bench_serving.py` 16 concurrent streams waited 6.3 s (p50) for a first token, 0.9 s
+once the processes took turns. So a forward
 pass holds the machine: each engine process takes the turn before a pass, runs it with the whole
 budget's thread team, and hands the turn on after it; a process that just had a turn lets a
 waiting one go first, so a prefill and a decode alternate pass by pass. The prefill keeps its
