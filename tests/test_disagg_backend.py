@@ -122,7 +122,11 @@ def request(n_prompt: int = 10, max_tokens: int = 8, ignore_eos: bool = False) -
 
 
 async def collect(backend: RequestPath, req: GenerateRequest) -> list[TokenEvent]:
-    return [event async for event in backend.generate(req)]
+    """Every event of a request, then what it left to do in the background (tail removal)."""
+    try:
+        return [event async for event in backend.generate(req)]
+    finally:
+        await backend.settled()
 
 
 async def test_prefill_then_decode(backend: RequestPath, peers: Peers) -> None:
@@ -214,6 +218,7 @@ async def test_closing_mid_decode_closes_the_stream(backend: RequestPath,
     assert (await anext(gen)).token_id == 42
     assert (await anext(gen)).token_id == 7
     await gen.aclose()
+    await backend.settled()
     assert peers.decode_stream_closed
     assert peers.removed == []
 
@@ -223,6 +228,7 @@ async def test_closing_before_decode_removes_tail(backend: RequestPath,
     gen = backend.generate(request())
     assert (await anext(gen)).token_id == 42
     await gen.aclose()
+    await backend.settled()
     assert peers.removed == ["tail-key"] and peers.decode_jobs == []
 
 

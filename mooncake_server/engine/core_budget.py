@@ -4,12 +4,11 @@
 both crawl: on the 2-core machine here a 15-prompt, 1920-token bf16 prefill took 0.51 s alone
 and 2.1-2.8 s beside a one-token decode loop with the team split 2 + 1 threads; in
 `scripts/bench_serving.py` 16 concurrent streams waited 6.3 s (p50) for a first token, 0.9 s
-once the processes took turns. So a forward
-pass holds the machine: each engine process takes the turn before a pass, runs it with the whole
-budget's thread team, and hands the turn on after it; a process that just had a turn lets a
-waiting one go first, so a prefill and a decode alternate pass by pass. The prefill keeps its
-passes short (--decode-chunk tokens) while a decode has work, which bounds the decode's token
-gap to about two passes.
+once the processes took turns. So a forward pass holds the machine: each engine process takes
+the turn before a pass, runs it with the whole budget's thread team, and hands the turn on after
+it; a process that just had a turn lets a waiting one go first, so a prefill and a decode
+alternate pass by pass. The prefill keeps its passes short (--decode-chunk tokens) while a
+decode has work, which bounds the decode's token gap to about two passes.
 
 The board is a file of fixed slots (pid, active, waiting) mapped by every process; the turn is an
 flock on it (the kernel drops it with a SIGKILLed holder), and a slot whose pid is gone counts as

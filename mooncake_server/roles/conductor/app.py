@@ -165,6 +165,10 @@ class Conductor:
             finally:
                 log.info("conductor shutting down")
                 app.router.routes[:] = [r for r in app.router.routes if r not in api_routes]
+                try:  # tail removals and releases the last requests left, while http is open
+                    await asyncio.wait_for(self.path.settled(), 5.0)
+                except TimeoutError:
+                    log.warning("background store calls still running at shutdown")
                 self.path = None
 
     def health(self) -> Response:
