@@ -125,7 +125,8 @@ class ServerConfig:
     # token gap stays near one decode step while long prompts arrive.
     decode_chunk_tokens: int = _setting(
         256, "--decode-chunk",
-        "colocated: prompt tokens per forward pass while sequences decode in it (default 256)",
+        "prompt tokens per forward pass while sequences decode (colocated: in it; prefill: "
+        "on the same cores) (default 256)",
         ENGINES)
     # None = the shared core budget decides, step by step
     torch_threads: int | None = _setting(
