@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+
+import pytest
 
 from mooncake_server.engine.core_budget import CoreBudget, core_budget_for
 
@@ -40,71 +43,66 @@ class _Neighbour:
         self.proc.wait()
 
 
-def _enter_in_thread(me: CoreBudget) -> tuple[threading.Thread, threading.Event]:
+def _enter_in_thread(me: CoreBudget) -> threading.Event:
     """me.enter_step() on a thread (the forward thread's view); the event is set once it got in."""
     got = threading.Event()
-    thread = threading.Thread(target=lambda: (me.enter_step(), got.set()), daemon=True)
-    thread.start()
-    return thread, got
+    threading.Thread(target=lambda: (me.enter_step(), got.set()), daemon=True).start()
+    return got
 
 
-def test_a_pass_runs_alone_with_every_core_of_the_budget(tmp_path) -> None:
+@pytest.fixture
+def pair(tmp_path) -> Iterator[tuple[CoreBudget, _Neighbour]]:
+    """This process and a neighbour on one fresh board."""
     board = str(tmp_path / "cores")
     me = CoreBudget(board, 2)
     other = _Neighbour(board)
-    try:
-        assert me.enter_step() == 2  # nobody else wants the cores
-        me.exit_step()
-        other.send("enter")
-        assert other.read() == "in"
-        _, got = _enter_in_thread(me)
-        assert not got.wait(0.3)  # the neighbour's pass holds the cores
-        other.send("exit")
-        assert other.read() == "out"
-        assert got.wait(30)
-        me.exit_step()
-    finally:
-        other.kill()
-        me.close()
+    yield me, other
+    other.kill()
+    me.close()
 
 
-def test_a_process_that_just_had_the_turn_lets_a_waiting_one_go_first(tmp_path) -> None:
-    board = str(tmp_path / "cores")
-    me = CoreBudget(board, 2)
-    other = _Neighbour(board)
-    try:
-        me.enter_step()
-        other.send("enter")  # it waits for my pass
-        while not me._others(2):  # its slot says it waits (set before it blocks)
-            pass
-        me.exit_step()
-        _, got = _enter_in_thread(me)  # straight back for another pass
-        assert other.read() == "in"  # ... but the neighbour got the turn
-        assert not got.is_set()
-        other.send("exit")
-        assert got.wait(30)
-        me.exit_step()
-    finally:
-        other.kill()
-        me.close()
+def test_a_pass_runs_alone_with_every_core_of_the_budget(pair) -> None:
+    me, other = pair
+    assert me.enter_step() == 2  # nobody else wants the cores
+    me.exit_step()
+    other.send("enter")
+    assert other.read() == "in"
+    got = _enter_in_thread(me)
+    assert not got.wait(0.3)  # the neighbour's pass holds the cores
+    other.send("exit")
+    assert other.read() == "out"
+    assert got.wait(30)
+    me.exit_step()
 
 
-def test_a_killed_holder_or_busy_neighbour_frees_its_turn_and_slot(tmp_path) -> None:
-    board = str(tmp_path / "cores")
-    me = CoreBudget(board, 2)
-    other = _Neighbour(board)
+def test_a_process_that_just_had_the_turn_lets_a_waiting_one_go_first(pair) -> None:
+    me, other = pair
+    me.enter_step()
+    other.send("enter")  # it waits for my pass
+    while not me._others(2):  # its slot says it waits (set before it blocks)
+        pass
+    me.exit_step()
+    got = _enter_in_thread(me)  # straight back for another pass
+    assert other.read() == "in"  # ... but the neighbour got the turn
+    assert not got.is_set()
+    other.send("exit")
+    assert got.wait(30)
+    me.exit_step()
+
+
+def test_a_killed_neighbour_frees_its_turn_and_its_slot(pair) -> None:
+    me, other = pair
     other.send("active")
     assert other.read() == "ok"
     assert me.others_active() == 1
     other.send("enter")
     assert other.read() == "in"
     other.kill()
-    _, got = _enter_in_thread(me)
+    got = _enter_in_thread(me)
     assert got.wait(30)  # the kernel released the dead holder's flock
     me.exit_step()
     me._checked_at = 0.0  # liveness is re-read at most once a second; the test skips the wait
     assert me.others_active() == 0
-    me.close()
 
 
 def test_pinned_threads_ignore_the_board(tmp_path) -> None:
