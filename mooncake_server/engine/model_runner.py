@@ -87,6 +87,7 @@ class ModelRunner:
 
     def _forward(self, items: Seq[StepItem],
                  on_layer: Callable[[int], None] | None) -> torch.Tensor:
+        """The pass itself, on the lean stack or HF's forward (the turn on the cores held)."""
         plan, input_ids, positions, last_rows = self._plan(items, on_layer)
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)

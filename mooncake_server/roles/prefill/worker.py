@@ -128,8 +128,7 @@ class PrefillWorker:
                 await self._run_batch(batch)
             except Exception as exc:  # noqa: BLE001 - a bug must not leave callers waiting
                 log.exception("prefill batch failed")
-                for task in batch:
-                    self._fail(task, exc)
+                await self._fail_all(batch, exc)
 
     def _take_batch(self) -> list[_Task]:
         """The oldest job, and those after it whose prompts fit in the same chunk."""
@@ -167,10 +166,7 @@ class PrefillWorker:
             try:
                 done = await self._step(pending)
             except BaseException as exc:  # noqa: BLE001 - every job of the pass failed with it
-                for task in pending:
-                    if task.stream is not None:
-                        await task.stream.abort()
-                    self._fail(task, exc)
+                await self._fail_all(pending, exc)
                 if not isinstance(exc, Exception):
                     raise
                 return
@@ -236,6 +232,18 @@ class PrefillWorker:
                 task.done.set_exception(outcome)
             else:
                 raise outcome  # cancelled: the worker is shutting down
+
+    async def _fail_all(self, tasks: list[_Task], exc: BaseException) -> None:
+        """Abort the store reservations of unanswered jobs, then fail them with `exc`."""
+        for task in tasks:
+            stream, task.stream = task.stream, None
+            if stream is not None:  # finished jobs handed theirs on already
+                try:
+                    await stream.abort()
+                except Exception as abort_exc:  # noqa: BLE001 - the leases expire on their own
+                    log.warning("giving back %s's store reservations failed: %s",
+                                task.job.request_id, abort_exc)
+            self._fail(task, exc)
 
     def _fail(self, task: _Task, exc: BaseException) -> None:
         """Free what the job holds and hand `exc` to its caller."""
