@@ -11,7 +11,12 @@ from sched_helpers import BT, MODEL, Clock, cluster, request
 from mooncake_server.config import POLICIES
 from mooncake_server.roles.conductor.scheduler.load import LoadTracker
 from mooncake_server.roles.conductor.scheduler.oracle import STORE_WIDE
-from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler, Policy, SLORejected
+from mooncake_server.roles.conductor.scheduler.policy import (
+    KVCacheScheduler,
+    Policy,
+    SLORejected,
+    judged_tbt,
+)
 from mooncake_server.wire.instances import Heartbeat
 
 
@@ -218,3 +223,12 @@ async def test_tbt_rejections_end_once_the_overload_measurements_age_out() -> No
     clock.now = last_measured + 10.0
     plan = await s.plan(request("r", 100), keys(100))
     assert plan is not None and plan.tbt_s == pytest.approx(0.05)  # 2 × 25 ms, as modelled
+
+
+def test_tbt_is_judged_on_the_longest_tenth_of_gaps_as_the_slo_is() -> None:
+    """A slow hand-off decides a short answer's TBT but is diluted in a long one's."""
+    steady, handoff = 0.1, 0.6
+    assert judged_tbt(steady, handoff, max_tokens=5) == pytest.approx(0.6)  # 4 gaps: the worst
+    # 60 gaps: the longest 6 are the hand-off and five steady ones.
+    assert judged_tbt(steady, handoff, max_tokens=61) == pytest.approx((0.6 + 5 * 0.1) / 6)
+    assert judged_tbt(0.3, 0.2, max_tokens=61) == pytest.approx(0.3)  # steady steps are worse
