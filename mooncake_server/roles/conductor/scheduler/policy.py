@@ -63,6 +63,7 @@ def judged_tbt(steady_s: float, handoff_s: float, max_tokens: int) -> float:
     k = max(1, round(0.1 * (max_tokens - 1)))  # gaps judged: the longest tenth
     return (worst + (k - 1) * steady_s) / k
 
+
 class Policy(str, enum.Enum):
     """How the prefill / decode pair is chosen (`--policy`; values = config.POLICIES)."""
 
