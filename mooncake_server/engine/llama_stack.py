@@ -75,12 +75,13 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class LlamaLayer(nn.Module):
     """One decoder layer's weights: fused qkv and gate|up, HF's norms and output projections."""
 
-    def __init__(self, hf_layer: nn.Module, heads: int, kv_heads: int, head_dim: int) -> None:
+    def __init__(self, hf_layer: nn.Module, heads: int) -> None:
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.layer_idx: int = attn.layer_idx
         self.scale: float = attn.scaling
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.heads, self.head_dim = heads, attn.head_dim
+        self.kv_heads = heads // attn.num_key_value_groups
         self.qkv = _stack([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o_proj = attn.o_proj
         self.gate_up = _stack([mlp.gate_proj, mlp.up_proj])
@@ -112,13 +113,10 @@ class LlamaStack(nn.Module):
         super().__init__()
         cfg = model.config
         self.config = cfg
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         inner = model.model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
-        self.layers = nn.ModuleList(LlamaLayer(layer, heads, kv_heads, head_dim)
+        self.layers = nn.ModuleList(LlamaLayer(layer, cfg.num_attention_heads)
                                     for layer in inner.layers)
         self.norm = inner.norm
         self.lm_head = model.lm_head

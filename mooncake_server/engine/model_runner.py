@@ -138,8 +138,7 @@ class ModelRunner:
                 pad = torch.arange(width * bt)[None, :] >= torch.tensor(lens)[:, None]
                 bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
                 bias = bias.view(len(lens), 1, 1, width * bt)
-            decode = DecodeBatch(size=len(decodes), ctx_blocks=blocks, max_blocks=width,
-                                 bias=bias)
+            decode = DecodeBatch(size=len(decodes), ctx_blocks=blocks, bias=bias)
         slot_parts = [torch.tensor(slots, dtype=torch.long)] if slots else []
         prompt_slices: list[PromptSlice] = []
         for i in prompts:
@@ -150,11 +149,10 @@ class ModelRunner:
             slot_parts.append(table[pos // bt] * block_rows + pos % bt)
             q_start = len(input_ids)
             if start == 0:
-                prompt_slices.append(PromptSlice(q_start, n, end))
+                prompt_slices.append(PromptSlice(q_start, n))
             else:
-                prompt_slices.append(PromptSlice(
-                    q_start, n, end, ctx_blocks=table * layers,
-                    mask=causal_mask(n, end, len(table) * bt)))
+                prompt_slices.append(PromptSlice(q_start, n, ctx_blocks=table * layers,
+                                                 mask=causal_mask(n, end, len(table) * bt)))
             input_ids.extend(s.token_ids[start:end])
             positions.extend(range(start, end))
             last_rows[i] = len(input_ids) - 1

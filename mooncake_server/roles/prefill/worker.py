@@ -145,21 +145,22 @@ class PrefillWorker:
                 break
             batch.append(self._queue.popleft())
             tokens += n
-            if tokens >= budget:
-                break
         return batch
 
     async def _run_batch(self, batch: list[_Task]) -> None:
         """Prepare the batch, then step it; each job is answered once its prompt is computed."""
+        # Store reads and reservations of the batch's jobs are independent: all in flight at once.
+        prepared = await asyncio.gather(*(self._prepare(t) for t in batch), return_exceptions=True)
         pending: list[_Task] = []
-        for task in batch:
-            try:
-                await self._prepare(task)
+        for task, outcome in zip(batch, prepared):
+            if outcome is None:
                 pending.append(task)
-            except BaseException as exc:  # noqa: BLE001 - handed to that job's caller
-                self._fail(task, exc)
-                if not isinstance(exc, Exception):
-                    raise
+            else:  # handed to that job's caller
+                self._fail(task, outcome)
+        cancelled = [o for o in prepared if o is not None and not isinstance(o, Exception)]
+        if cancelled:  # the worker is shutting down
+            await self._fail_all(pending, cancelled[0])
+            raise cancelled[0]
         if pending:
             self.metrics.batch_jobs.observe(len(pending))
         while pending:
