@@ -4,11 +4,11 @@ A forward pass carries a packed, variable-length batch (several sequences back t
 in all). For each layer `attend` writes the new K/V into their cache slots, then attends in as
 few calls as the batch allows:
 
-- every decoding sequence (one new token) together: their K and V blocks gathered in ONE
-  `index_select` (a block's K and V of a layer are adjacent in the pool), laid out as
-  [B, kv_heads, blocks * block_tokens, head_dim], padding masked by an additive bias; scores and
-  weighted sum are two batched matmuls. torch's CPU flash kernel is tuned for long query blocks:
-  at one query row per sequence it took 1.4-1.5x as long as the matmuls;
+- every decoding sequence (one new token) together: their K and V gathered in ONE `index_select`
+  of per-head block runs, which lands as [2, B, kv_heads, blocks * block_tokens, head_dim] with
+  no further copy (the pool keeps a head's tokens contiguous); padding masked by an additive
+  bias; scores and weighted sum are two batched matmuls. torch's CPU flash kernel is tuned for
+  long query blocks: at one query row per sequence it took 1.4-1.5x as long as the matmuls;
 - a prompt with no cached context straight over its own new K/V (causal, flash kernel);
 - a prompt chunk with cached context over its gathered blocks, causally masked.
 
@@ -35,8 +35,8 @@ class PromptSlice:
 
     q_start: int
     q_len: int
-    # Cached context only: `pool_pairs` row of each context block's layer 0, and the causal mask.
-    ctx_blocks: torch.Tensor | None = None
+    # Cached context only: `head_runs` rows of the context at layer 0, and the causal mask.
+    ctx_runs: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
 
@@ -45,7 +45,9 @@ class DecodeBatch:
     """The decoding sequences of a pass: its first `size` rows, one token each."""
 
     size: int
-    ctx_blocks: torch.Tensor  # [size * blocks] long `pool_pairs` rows, padded with a valid one
+    # [2 * size * kv_heads * blocks] long `head_runs` rows at layer 0, ordered (K|V, seq, head,
+    # block); short tables padded with a valid block
+    ctx_runs: torch.Tensor
     bias: torch.Tensor | None  # [size, 1, 1, blocks * block_tokens] 0 / -inf; None: no padding
 
 
@@ -53,17 +55,20 @@ class DecodeBatch:
 class AttentionPlan:
     """Per-forward metadata the attention function needs, passed through the model's kwargs.
 
-    The pool has two views of the same memory. `pool_rows` holds one token's K (or V) of one
-    layer per row: token t of layer l lives at row `base(t) + (2 * l + kv) * block_tokens`, with
-    `base(t) = block * layers * 2 * block_tokens + offset`; new tokens are written there.
-    `pool_pairs` holds one block's K and V of one layer per row: `block * layers + l`; context
-    is read there, a block (not a token) per index.
+    The pool has two views of the same memory (see kv_cache). `head_rows` holds one token's K
+    (or V) of one head of one layer per row: token t, head h of layer l lives at row
+    `base(t) + ((2 * l + kv) * kv_heads + h) * block_tokens`, with
+    `base(t) = block * layers * 2 * kv_heads * block_tokens + offset`; new tokens are written
+    there. `head_runs` holds a block's `block_tokens` rows of one head, K or V, of one layer:
+    row `((block * layers + l) * 2 + kv) * kv_heads + h`; context is read there, a run (not a
+    token) per index.
     """
 
-    pool_rows: torch.Tensor  # [num_blocks * layers * 2 * block_tokens, kv_heads * head_dim]
-    pool_pairs: torch.Tensor  # [num_blocks * layers, 2 * block_tokens * kv_heads * head_dim]
+    head_rows: torch.Tensor  # [num_blocks * layers * 2 * kv_heads * block_tokens, head_dim]
+    head_runs: torch.Tensor  # [num_blocks * layers * 2 * kv_heads, block_tokens * head_dim]
     block_tokens: int
-    slot_rows: torch.Tensor  # [T] long: pool row of each new token's layer-0 K
+    kv_heads: int
+    slot_rows: torch.Tensor  # [T * kv_heads] long: `head_rows` row of a new token head's K, l=0
     decode: DecodeBatch | None
     prompts: list[PromptSlice]
     # Called with the layer index once that layer's new K/V are in the pool (layer-wise KV
@@ -77,14 +82,11 @@ def causal_mask(q_len: int, ctx_len: int, padded_len: int) -> torch.Tensor:
     return torch.arange(padded_len)[None, :] <= q_pos
 
 
-def _gather(plan: AttentionPlan, rows: torch.Tensor, n: int, kv_heads: int, head_dim: int,
+def _gather(plan: AttentionPlan, runs: torch.Tensor, n: int, layer: int, head_dim: int,
             ) -> torch.Tensor:
-    """K and V of context blocks `rows` as [2, n, kv_heads, tokens, head_dim] (one copy each)."""
-    pairs = plan.pool_pairs.index_select(0, rows)
-    blocks = rows.numel() // n
-    bt = plan.block_tokens
-    return (pairs.view(n, blocks, 2, bt, kv_heads, head_dim).permute(2, 0, 4, 1, 3, 5)
-            .reshape(2, n, kv_heads, blocks * bt, head_dim))
+    """K and V of context `runs` at `layer` as [2, n, kv_heads, tokens, head_dim] (one copy)."""
+    picked = plan.head_runs.index_select(0, runs + layer * 2 * plan.kv_heads)
+    return picked.view(2, n, plan.kv_heads, -1, head_dim)
 
 
 def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -92,12 +94,13 @@ def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     """Write layer `layer`'s new K/V [T, kv_heads, d] to the pool; attend q [T, heads, d] -> same."""
     tokens, kv_heads, head_dim = k.shape
     heads = q.shape[1]
-    bt = plan.block_tokens
-    rows = plan.pool_rows
+    run = kv_heads * plan.block_tokens  # head_rows between one layer's K and its V
+    rows = plan.head_rows
     # NOTE: index_copy_ on the contiguous row view writes only the new slots; indexing the
     # strided [blocks, layer, ...] view instead would copy the whole pool per layer.
-    rows.index_copy_(0, plan.slot_rows + 2 * layer * bt, k.reshape(tokens, -1))
-    rows.index_copy_(0, plan.slot_rows + (2 * layer + 1) * bt, v.reshape(tokens, -1))
+    rows.index_copy_(0, plan.slot_rows + 2 * layer * run, k.reshape(tokens * kv_heads, head_dim))
+    rows.index_copy_(0, plan.slot_rows + (2 * layer + 1) * run,
+                     v.reshape(tokens * kv_heads, head_dim))
     if plan.on_layer is not None:
         plan.on_layer(layer)
 
@@ -106,7 +109,7 @@ def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     d = plan.decode
     if d is not None:
         b = d.size
-        kv = _gather(plan, d.ctx_blocks + layer, b, kv_heads, head_dim)
+        kv = _gather(plan, d.ctx_runs, b, layer, head_dim)
         # Query head h reads KV head h // group, as in HF's repeat_kv.
         qg = q[:b].view(b, kv_heads, heads // kv_heads, head_dim)
         scores = torch.matmul(qg, kv[0].transpose(-1, -2)).float() * scale
@@ -117,12 +120,12 @@ def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     for p in plan.prompts:
         sl = slice(p.q_start, p.q_start + p.q_len)
         qp = q[sl].transpose(0, 1).unsqueeze(0)
-        if p.ctx_blocks is None:  # nothing cached: the new K/V are the whole context
+        if p.ctx_runs is None:  # nothing cached: the new K/V are the whole context
             o = F.scaled_dot_product_attention(qp, k[sl].transpose(0, 1).unsqueeze(0),
                                                v[sl].transpose(0, 1).unsqueeze(0),
                                                is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            kv = _gather(plan, p.ctx_blocks + layer, 1, kv_heads, head_dim)
+            kv = _gather(plan, p.ctx_runs, 1, layer, head_dim)
             o = F.scaled_dot_product_attention(qp, kv[0], kv[1], attn_mask=p.mask, scale=scale,
                                                enable_gqa=gqa)
         out[sl] = o[0].transpose(0, 1)

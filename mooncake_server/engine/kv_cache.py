@@ -2,10 +2,13 @@
 
 A block holds `block_tokens` tokens of every layer's K and V:
 
-    pool: [num_blocks, num_layers, 2 (K, V), block_tokens, kv_heads, head_dim]   (model dtype)
+    pool: [num_blocks, num_layers, 2 (K, V), kv_heads, block_tokens, head_dim]   (model dtype)
 
 so block i is one contiguous byte range `[base + i * block_bytes, base + (i + 1) * block_bytes)`.
 The transfer engine moves exactly those bytes to and from the store; nothing is re-packed.
+Heads are outside tokens so that a head's run of `block_tokens` keys is contiguous: gathering a
+sequence's blocks run by run yields [kv_heads, tokens, head_dim] ready for a matmul, with no
+second copy to bring the heads forward.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ class KVLayout:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """Shape of one block: [layers, 2, block_tokens, kv_heads, head_dim]."""
-        return (self.num_layers, 2, self.block_tokens, self.kv_heads, self.head_dim)
+        """Shape of one block: [layers, 2, kv_heads, block_tokens, head_dim]."""
+        return (self.num_layers, 2, self.kv_heads, self.block_tokens, self.head_dim)
 
     @property
     def block_bytes(self) -> int:
@@ -73,11 +76,10 @@ class PagedKVCache:
         # NOTE: keep the buffer alive as long as the tensor views into it.
         self._buffer = buffer
         self.pool = raw.view(layout.dtype).view(self.num_blocks, *layout.block_shape)
-        # The same memory as rows of one token's K (or V) of one layer: what attention indexes.
-        self.pool_rows = self.pool.view(-1, layout.kv_heads * layout.head_dim)
-        # ... and as rows of one block's K and V of one layer: what attention gathers context by.
-        self.pool_pairs = self.pool.view(-1, 2 * layout.block_tokens * layout.kv_heads
-                                         * layout.head_dim)
+        # The same memory as rows of one token's K (or V) of one head: where new tokens go.
+        self.head_rows = self.pool.view(-1, layout.head_dim)
+        # ... and as one head's run of a block's K (or V): what attention gathers context by.
+        self.head_runs = self.pool.view(-1, layout.block_tokens * layout.head_dim)
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
 
     @property

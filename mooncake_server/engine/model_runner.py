@@ -102,8 +102,12 @@ class ModelRunner:
               ) -> tuple[AttentionPlan, list[int], list[int], list[int]]:
         """Pack the batch (decoding sequences first, then prompt chunks) and index its KV."""
         bt = self.layout.block_tokens
-        layers = self.layout.num_layers  # rows per block in `pool_pairs`
-        block_rows = layers * 2 * bt  # token-rows per block in `pool_rows`
+        kvh = self.layout.kv_heads
+        runs_per_block = self.layout.num_layers * 2 * kvh  # `head_runs` rows per block
+        block_rows = runs_per_block * bt  # `head_rows` rows per block
+        # Offsets within layer 0 of a block: head h's slot (K) and run (K, then V).
+        head_slots = torch.arange(kvh) * bt
+        head_runs = torch.arange(2 * kvh).view(2, 1, kvh, 1)
         for it in items:
             end = it.seq.num_computed + it.num_new
             if len(it.seq.block_ids) * bt < end:
@@ -115,7 +119,7 @@ class ModelRunner:
         prompts = [i for i, d in enumerate(decoding) if not d]
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []  # decode rows: pool row of the new token
+        slots: list[int] = []  # decode rows: pool row of the new token (head 0)
         last_rows = [0] * len(items)
         decode: DecodeBatch | None = None
         if decodes:
@@ -132,13 +136,15 @@ class ModelRunner:
                 last_rows[i] = row
             width = max(len(t) for t in tables)
             padded = [t + [t[0]] * (width - len(t)) for t in tables]
-            blocks = torch.tensor(padded, dtype=torch.long).view(-1) * layers
+            blocks = torch.tensor(padded, dtype=torch.long).view(1, len(decodes), 1, width)
             bias = None
             if any(n != width * bt for n in lens):
                 pad = torch.arange(width * bt)[None, :] >= torch.tensor(lens)[:, None]
                 bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
                 bias = bias.view(len(lens), 1, 1, width * bt)
-            decode = DecodeBatch(size=len(decodes), ctx_blocks=blocks, bias=bias)
+            decode = DecodeBatch(size=len(decodes),
+                                 ctx_runs=(blocks * runs_per_block + head_runs).view(-1),
+                                 bias=bias)
         slot_parts = [torch.tensor(slots, dtype=torch.long)] if slots else []
         prompt_slices: list[PromptSlice] = []
         for i in prompts:
@@ -151,12 +157,15 @@ class ModelRunner:
             if start == 0:
                 prompt_slices.append(PromptSlice(q_start, n))
             else:
-                prompt_slices.append(PromptSlice(q_start, n, ctx_blocks=table * layers,
+                runs = (table.view(1, 1, 1, -1) * runs_per_block + head_runs).view(-1)
+                prompt_slices.append(PromptSlice(q_start, n, ctx_runs=runs,
                                                  mask=causal_mask(n, end, len(table) * bt)))
             input_ids.extend(s.token_ids[start:end])
             positions.extend(range(start, end))
             last_rows[i] = len(input_ids) - 1
-        plan = AttentionPlan(pool_rows=self.kv.pool_rows, pool_pairs=self.kv.pool_pairs,
-                             block_tokens=bt, slot_rows=torch.cat(slot_parts), decode=decode,
+        token_slots = torch.cat(slot_parts)
+        plan = AttentionPlan(head_rows=self.kv.head_rows, head_runs=self.kv.head_runs,
+                             block_tokens=bt, kv_heads=kvh,
+                             slot_rows=(token_slots[:, None] + head_slots).view(-1), decode=decode,
                              prompts=prompt_slices, on_layer=on_layer)
         return plan, input_ids, positions, last_rows
