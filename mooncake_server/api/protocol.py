@@ -75,7 +75,8 @@ class _SamplingFields(_Request):
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     # JSON object keys are strings; pydantic reads "1234" as the token id 1234.
     logit_bias: dict[int, float] | None = None
-    repetition_penalty: float | None = Field(default=1.0, gt=0.0, le=2.0)  # vLLM extension
+    # vLLM extension. NOTE: below 0.01 dividing a logit by it can overflow float32 to inf.
+    repetition_penalty: float | None = Field(default=1.0, ge=0.01, le=2.0)
     min_tokens: int = Field(default=0, ge=0)  # vLLM extension: no EOS nor stop string before
 
     @field_validator("logit_bias")

@@ -22,7 +22,7 @@ class SamplingParams(BaseModel):
     # Logit adjustments (engine/sampler.py LogitRules); the defaults leave the logits untouched.
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=2.0)
     logit_bias: dict[int, float] = Field(default_factory=dict)
     min_tokens: int = Field(default=0, ge=0)  # EOS is masked until this many tokens were produced
 

@@ -51,7 +51,8 @@ async def test_a_request_without_them_changes_nothing(base_url: str, backend: Fa
 @pytest.mark.parametrize(("extra", "param", "words"), [
     ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
     ({"frequency_penalty": -2.01}, "frequency_penalty", "greater than or equal to -2"),
-    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than or equal to 0.01"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty", "greater than or equal to 0.01"),
     ({"repetition_penalty": 3}, "repetition_penalty", "less than or equal to 2"),
     ({"logit_bias": {"5": 101}}, "logit_bias", "between -100 and 100"),
     ({"logit_bias": {"5": -100.5}}, "logit_bias", "between -100 and 100"),

@@ -74,18 +74,25 @@ def test_min_tokens_masks_eos_until_enough_tokens_were_produced() -> None:
     assert not params(min_tokens=2, ignore_eos=True).adjusts_logits
 
 
-def test_incremental_counts_equal_counting_from_scratch() -> None:
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_incremental_counts_equal_counting_from_scratch(device: str) -> None:
     rnd = random.Random(0)
-    p = params(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.3)
+    p = params(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.3,
+               logit_bias={3: 2.5}, min_tokens=10)
     prompt = [rnd.randrange(VOCAB) for _ in range(5)]
     tokens = list(prompt)
     live = LogitRules(p, tokens, len(prompt))
-    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)).to(device)
     for _ in range(30):
         # several tokens may arrive between calls (a prefill's first token, a moved request)
         tokens += [rnd.randrange(VOCAB) for _ in range(rnd.choice((1, 1, 3)))]
         fresh = LogitRules(p, tokens, len(prompt)).apply(logits, tokens)
-        assert torch.equal(live.apply(logits, tokens), fresh)
+        got = live.apply(logits, tokens)
+        assert got.device == logits.device and torch.equal(got, fresh)
 
 
 def test_without_rules_a_sequence_samples_the_models_logits_as_they_are() -> None:
