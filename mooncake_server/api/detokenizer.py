@@ -18,9 +18,13 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Turns a token stream into safe-to-emit text deltas, honouring stop strings."""
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._stop = [s for s in stop if s]
+        # As vLLM: a stop string counts only if it ends in the text of token min_tokens or later,
+        # i.e. after _stop_floor characters (the text there was before).
+        self._min_tokens = min_tokens
+        self._stop_floor = 0
         self._ids: list[int] = []
         # Decoding restarts at _prefix (a few tokens of context so word-initial spaces decode
         # as in the full text); _read marks the tokens whose text is already in self._text.
@@ -70,7 +74,12 @@ class IncrementalDetokenizer:
         return max((len(s) for s in self._stop), default=1)
 
     def _check_stop(self, start: int) -> None:
-        hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
+        if len(self._ids) < self._min_tokens:
+            self._stop_floor = len(self._text)
+            return
+        floor = self._stop_floor
+        hits = [i for i in (self._text.find(s, max(start, floor - len(s) + 1)) for s in self._stop)
+                if i >= 0]
         if hits:
             self._text = self._text[: min(hits)]
             self.stopped = True

@@ -181,6 +181,7 @@ class OpenAIService:
             what = "prompt"
         self.limits.check_prompt(len(prompt_ids), what)
         max_tokens = self._max_tokens(len(prompt_ids), body.requested_max_tokens(), what)
+        self._check_logit_rules(body, max_tokens)
         sampling = SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -188,6 +189,11 @@ class OpenAIService:
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             eos_token_ids=self.eos_token_ids,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            logit_bias=body.logit_bias or {},
+            min_tokens=body.min_tokens,
         )
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if self.log_prompts:  # NOTE: opt-in only (--log-prompts): prompts are user data
@@ -200,7 +206,7 @@ class OpenAIService:
             prompt_tokens=len(prompt_ids),
             max_tokens=max_tokens,
             events=events,
-            detok=IncrementalDetokenizer(self.tokenizer, body.stop_list()),
+            detok=IncrementalDetokenizer(self.tokenizer, body.stop_list(), body.min_tokens),
             metrics=self.metrics,
             arrival=arrival,
             prompt_token_ids=prompt_ids,
@@ -215,6 +221,20 @@ class OpenAIService:
             await gen.close()
             raise
         return gen
+
+    def _check_logit_rules(self, body: ChatCompletionRequest | CompletionRequest,
+                           max_tokens: int) -> None:
+        """The checks that need the tokenizer or the final max_tokens (400 otherwise)."""
+        vocab = len(self.tokenizer)
+        unknown = sorted(t for t in body.logit_bias or {} if t >= vocab)
+        if unknown:
+            raise APIError(
+                f"logit_bias: token id {unknown[0]} is not in the vocabulary (ids are 0 to "
+                f"{vocab - 1})", param="logit_bias", code="invalid_value")
+        if body.min_tokens > max_tokens:
+            raise APIError(
+                f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})",
+                param="min_tokens", code="invalid_value")
 
     def _max_tokens(self, prompt_tokens: int, requested: int | None, what: str) -> int:
         limit = self.max_model_len

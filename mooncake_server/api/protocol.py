@@ -18,6 +18,9 @@ from pydantic import (
     model_serializer,
 )
 
+# As OpenAI: at most this many tokens in `logit_bias`.
+MAX_LOGIT_BIAS_ENTRIES = 300
+
 
 class _Request(BaseModel):
     """Base of request bodies: unknown extra fields are accepted and ignored."""
@@ -68,6 +71,30 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension: keep generating past EOS
     return_token_ids: bool = False  # vLLM extension: prompt and output token ids in the reply
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    # JSON object keys are strings; pydantic reads "1234" as the token id 1234.
+    logit_bias: dict[int, float] | None = None
+    # vLLM extension. NOTE: below 0.01 dividing a logit by it can overflow float32 to inf.
+    repetition_penalty: float | None = Field(default=1.0, ge=0.01, le=2.0)
+    min_tokens: int = Field(default=0, ge=0)  # vLLM extension: no EOS nor stop string before
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        # NOTE: whether the ids exist depends on the tokenizer, checked after parsing.
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                             f"got {len(value)}")
+        for token, bias in value.items():
+            if token < 0:
+                raise ValueError(f"logit_bias: token id {token} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias: the bias of token {token} is {bias}; "
+                                 "it must be between -100 and 100")
+        return value
 
     @field_validator("n")
     @classmethod

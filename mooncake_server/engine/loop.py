@@ -194,7 +194,8 @@ class EngineLoop:
             if seq.num_pending > 0:
                 continue  # more prompt chunks to go
             try:
-                token = sample_token(logits[row], seq.sampling, seq.generator)  # type: ignore[index]
+                token = sample_token(seq.next_token_logits(logits[row]),  # type: ignore[index]
+                                     seq.sampling, seq.generator)
             except (RuntimeError, ValueError) as exc:  # one bad sequence must not stop the loop
                 log.exception("sampling failed for %s", seq.request_id)
                 self._finish(seq, error=f"sampling failed: {exc}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mooncake_server.engine.sampler import LogitRules
 from mooncake_server.wire.jobs import SamplingParams
 
 
@@ -40,10 +41,19 @@ class Sequence:
     # Tokens the engine produced for this sequence, delivered on the event loop.
     events: asyncio.Queue[tuple[int, str | None, int] | None] = field(default_factory=asyncio.Queue)
     generator: torch.Generator | None = None
+    logit_rules: LogitRules | None = None  # None = the model's logits are sampled as they are
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
+        if self.sampling.adjusts_logits:
+            self.logit_rules = LogitRules(self.sampling, self.token_ids, self.prompt_len)
+
+    def next_token_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [vocab] after this request's penalties, bias and min_tokens (as is if none)."""
+        if self.logit_rules is None:
+            return logits
+        return self.logit_rules.apply(logits, self.token_ids)
 
     @property
     def num_generated(self) -> int:

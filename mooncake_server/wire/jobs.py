@@ -19,11 +19,24 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     eos_token_ids: list[int] = Field(default_factory=list)
+    # Logit adjustments (engine/sampler.py LogitRules); the defaults leave the logits untouched.
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=2.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    min_tokens: int = Field(default=0, ge=0)  # EOS is masked until this many tokens were produced
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax."""
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when a penalty, a bias or min_tokens changes the model's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0
+                    or (self.min_tokens > 0 and self.eos_token_ids and not self.ignore_eos))
 
 
 # ---------------------------------------------------------------------------------------------

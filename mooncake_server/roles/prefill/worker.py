@@ -208,8 +208,8 @@ class PrefillWorker:
         for row, (task, item) in enumerate(items):
             item.seq.num_computed += item.num_new
             if item.seq.num_pending == 0:
-                done.append((task, sample_token(logits[row], item.seq.sampling,
-                                                item.seq.generator)))
+                done.append((task, sample_token(item.seq.next_token_logits(logits[row]),
+                                                item.seq.sampling, item.seq.generator)))
         return done
 
     async def _answer(self, done: list[tuple[_Task, int]]) -> None:
