@@ -13,10 +13,11 @@ and stopped with its whole process tree before the next one starts:
   2. 16 concurrent requests, 128-token prompts, 128 output tokens: output tok/s (all output
      tokens / wall time), TBT p50 over every inter-token gap and the paper's per-request TBT
      (mean of a request's longest 10% gaps) p50;
-  3. the first 100 requests of the Mooncake trace, replayed with scripts/replay_trace.py's
-     prompts (hash-id block = 16 tokens, outputs capped at 128) at --time-scale x the trace's
-     gaps, SLOs TTFT <= 5 s and TBT <= 200 ms; `--role all` gets those SLOs as flags (429 =
-     rejected = not served). Effective capacity = share of the trace answered within both SLOs.
+  3. the first 100 requests of the Mooncake trace (traces/mooncake_sample.jsonl), replayed
+     with scripts/replay_trace.py's prompts (hash-id block = 16 tokens, outputs capped at
+     128) at --time-scale x the trace's gaps, SLOs TTFT <= 5 s and TBT <= 200 ms; `--role
+     all` gets those SLOs as flags (429 = rejected = not served). Effective capacity = share
+     of the trace answered within both SLOs.
 Then one table per workload, the issue's target ratios with PASS/FAIL, and --out as JSON.
 
 Prompts are token ids of single-token words (" word"): their text tokenizes back to exactly the

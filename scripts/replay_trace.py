@@ -16,6 +16,11 @@ request (scraped from launched prefill instances), rejections (429), errors, and
 capacity: the share of requests answered within both SLOs. `--launch` starts each configuration
 on free ports (`colocated`, `all`, or `PpDd[:policy]` = P prefill + D decode + 1 store +
 conductor), replays the same slice against it, stops it, and prints ratios to the first one.
+While it replays, stderr shows requests sent / done / rejected. It then writes a report folder
+(`--report`, default replay-report/<timestamp>): requests.jsonl (one line per request),
+summary.json (the figures above per configuration) and cdf.png (TTFT and TBT CDFs, SLOs drawn,
+effective capacity per configuration; needs matplotlib, the `test` extra).
+The default trace is the sample shipped in traces/ (the first 300 requests of the paper's trace).
 """
 
 from __future__ import annotations
@@ -37,11 +42,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from replay_report import Progress, write_report  # noqa: E402  (a sibling script, not a package)
+
 TRACE_BLOCK = 512  # tokens per hash id in the Mooncake traces
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_sample.jsonl"
 
 # ---------------------------------------------------------------------------------------------
 # The trace and its prompts
@@ -123,6 +132,8 @@ class Outcome:
 
     status: str  # ok | rejected | error
     arrival_s: float = 0.0
+    index: int = 0  # the request's place in the replayed slice
+    max_tokens: int = 0  # output tokens asked for
     ttft_s: float | None = None
     token_times: list[float] = field(default_factory=list)  # seconds since the request was sent
     prompt_tokens: int = 0
@@ -173,6 +184,13 @@ class Summary:
     wall_s: float = 0.0
 
 
+def within_slo(o: Outcome, ttft_slo: float, tbt_slo: float) -> bool:
+    """Answered, first token within the TTFT SLO, TBT (if it has one) within the TBT SLO."""
+    tbt = request_tbt(o.token_times)
+    return (o.status == "ok" and o.ttft_s is not None and o.ttft_s <= ttft_slo
+            and (tbt is None or tbt <= tbt_slo))
+
+
 def summarize(outcomes: Sequence[Outcome], ttft_slo: float, tbt_slo: float) -> Summary:
     """Percentiles, hit rate and SLO attainment over `outcomes`."""
     ok = [o for o in outcomes if o.status == "ok"]
@@ -180,13 +198,7 @@ def summarize(outcomes: Sequence[Outcome], ttft_slo: float, tbt_slo: float) -> S
     tbts = [t for t in (request_tbt(o.token_times) for o in ok) if t is not None]
     prompt = sum(o.prompt_tokens for o in ok)
     cached = sum(o.cached_tokens for o in ok)
-
-    def within(o: Outcome) -> bool:
-        tbt = request_tbt(o.token_times)
-        return (o.status == "ok" and o.ttft_s is not None and o.ttft_s <= ttft_slo
-                and (tbt is None or tbt <= tbt_slo))
-
-    good = sum(1 for o in outcomes if within(o))
+    good = sum(1 for o in outcomes if within_slo(o, ttft_slo, tbt_slo))
     rejected = sum(1 for o in outcomes if o.status == "rejected")
     accepted = len(outcomes) - rejected
     return Summary(
@@ -200,6 +212,16 @@ def summarize(outcomes: Sequence[Outcome], ttft_slo: float, tbt_slo: float) -> S
         computed_tokens_per_request=(prompt - cached) / len(ok) if ok else float("nan"),
         within_slo=good / len(outcomes) if outcomes else float("nan"),
         accepted_within_slo=good / accepted if accepted else float("nan"))
+
+
+def request_record(config: str, o: Outcome, ttft_slo: float, tbt_slo: float) -> dict[str, object]:
+    """One line of the report's requests.jsonl."""
+    return {"config": config, "index": o.index, "arrival_s": round(o.arrival_s, 6),
+            "status": o.status, "prompt_tokens": o.prompt_tokens,
+            "output_tokens": len(o.token_times), "max_tokens": o.max_tokens,
+            "cached_tokens": o.cached_tokens, "ttft_s": o.ttft_s,
+            "tbt_s": request_tbt(o.token_times),
+            "within_slo": within_slo(o, ttft_slo, tbt_slo), "error": o.error or None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +263,8 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
 
 
 async def replay(url: str, model: str, trace: Sequence[TraceRequest], builder: PromptBuilder,
-                 time_scale: float, max_output: int | None) -> list[Outcome]:
+                 time_scale: float, max_output: int | None,
+                 progress: Progress | None = None) -> list[Outcome]:
     """Send every request at its (scaled) arrival time; wait for all."""
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
     t0 = trace[0].timestamp_ms if trace else 0.0
@@ -252,11 +275,30 @@ async def replay(url: str, model: str, trace: Sequence[TraceRequest], builder: P
             at = (req.timestamp_ms - t0) / 1000.0 * time_scale
             await asyncio.sleep(max(0.0, begin + at - time.perf_counter()))
             out_len = max(1, min(req.output_length, max_output or req.output_length))
-            o = await send(client, url, model, builder.prompt(req, i), out_len)
-            o.arrival_s = at
+            prompt = builder.prompt(req, i)
+            if progress:
+                progress.on_sent()
+            o = await send(client, url, model, prompt, out_len)
+            o.arrival_s, o.index, o.max_tokens = at, i, out_len
+            o.prompt_tokens = o.prompt_tokens or len(prompt)
+            if progress:
+                progress.on_done(o.status)
             return o
 
-        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(trace))))
+        async def refresh() -> None:
+            # Events alone would leave the elapsed time still while long requests run.
+            while True:
+                await asyncio.sleep(1.0)
+                if progress:
+                    progress.tick()
+
+        ticker = asyncio.create_task(refresh())
+        try:
+            return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(trace))))
+        finally:
+            ticker.cancel()
+            if progress:
+                progress.finish()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,8 +434,15 @@ def _model_of(url: str, given: str | None) -> str:
     return given or str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
 
 
+class ConfigRun(NamedTuple):
+    """One configuration's replay: its figures and every request's outcome."""
+
+    summary: Summary
+    outcomes: list[Outcome]
+
+
 def run_one(url: str, args: argparse.Namespace, trace: list[TraceRequest],
-            launched: Launched | None = None) -> Summary:
+            launched: Launched | None = None, name: str = "replay") -> ConfigRun:
     """Warm up, replay, summarize."""
     model = _model_of(url, args.model)
     builder = PromptBuilder(args.block_tokens, tuple(args.token_range), args.seed)
@@ -402,7 +451,7 @@ def run_one(url: str, args: argparse.Namespace, trace: list[TraceRequest],
     before = prefill_seconds(launched.prefill_urls, launched.secret) if launched else None
     start = time.perf_counter()
     outcomes = asyncio.run(replay(url, model, trace, builder, args.time_scale,
-                                  args.max_output_tokens))
+                                  args.max_output_tokens, Progress(name, len(trace))))
     summary = summarize(outcomes, args.ttft_slo, args.tbt_slo)
     summary.wall_s = time.perf_counter() - start
     after = prefill_seconds(launched.prefill_urls, launched.secret) if launched else None
@@ -411,7 +460,7 @@ def run_one(url: str, args: argparse.Namespace, trace: list[TraceRequest],
     errors = [o.error for o in outcomes if o.status == "error"]
     if errors:
         print(f"  {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
-    return summary
+    return ConfigRun(summary, outcomes)
 
 
 def print_table(results: dict[str, Summary], ttft_slo: float, tbt_slo: float) -> None:
@@ -477,7 +526,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", default="/tmp/replay_trace_logs", help="launched servers' logs")
     p.add_argument("--json", default=None, help="also write the summaries here")
+    p.add_argument("--report", default=None,
+                   help="report folder: requests.jsonl, summary.json, cdf.png (default "
+                        "replay-report/<timestamp>)")
+    p.add_argument("--no-report", action="store_true", help="print the table only")
     return p
+
+
+def report_folder(given: str | None, now: float | None = None) -> Path:
+    """--report, or replay-report/<local timestamp> so runs never overwrite each other."""
+    if given:
+        return Path(given)
+    return Path("replay-report") / time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -489,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{len(trace)} requests over {(trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000:.1f}"
           f" s of trace time x {args.time_scale:g}; block {TRACE_BLOCK} -> {args.block_tokens} "
           "tokens")
-    results: dict[str, Summary] = {}
+    runs: dict[str, ConfigRun] = {}
     if args.launch:
         conductor_args = ["--profile", args.profile] if args.profile else []
         decode_args = []
@@ -501,15 +561,27 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"launching {spec} ...", flush=True)
             with launch(spec, args.server_arg, conductor_args, Path(args.logs),
                         args.prefill_arg, decode_args, args.store_memory) as cluster:
-                results[spec] = run_one(cluster.url, args, trace, cluster)
-            print(f"  {spec}: done in {results[spec].wall_s:.0f} s", flush=True)
+                runs[spec] = run_one(cluster.url, args, trace, cluster, spec)
+            print(f"  {spec}: done in {runs[spec].summary.wall_s:.0f} s", flush=True)
     else:
         url = (args.url or "http://127.0.0.1:8000").rstrip("/")
-        results[url] = run_one(url, args, trace)
+        runs[url] = run_one(url, args, trace, name=url)
+    results = {name: run.summary for name, run in runs.items()}
     print_table(results, args.ttft_slo, args.tbt_slo)
     if args.json:
         Path(args.json).write_text(json.dumps({k: asdict(v) for k, v in results.items()},
                                               indent=2))
+    if not args.no_report:
+        records = [request_record(name, o, args.ttft_slo, args.tbt_slo)
+                   for name, run in runs.items() for o in run.outcomes]
+        meta = {"trace": str(args.trace), "start": args.start, "requests": len(trace),
+                "time_scale": args.time_scale, "block_tokens": args.block_tokens,
+                "max_output_tokens": args.max_output_tokens, "early_reject": args.early_reject,
+                "seed": args.seed}
+        folder = write_report(report_folder(args.report), records,
+                              {k: asdict(v) for k, v in results.items()}, meta,
+                              args.ttft_slo, args.tbt_slo)
+        print(f"\nreport: {folder}/ (requests.jsonl, summary.json, cdf.png)")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE = ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
+TRACE = ROOT / "traces" / "mooncake_sample.jsonl"  # the first 300 lines of the paper's trace
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,6 @@ def test_lengths_scale_with_the_partial_last_block(rt: ModuleType) -> None:
     assert all(1000 <= t < 40000 for t in long)
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
 def test_real_trace_prefix_sharing_is_preserved(rt: ModuleType) -> None:
     trace = rt.load_trace(TRACE, 0, 300)
     assert len(trace) == 300
