@@ -95,16 +95,17 @@ class ServerConfig:
         (CONDUCTOR, *ENGINES))
     served_model_name: str | None = _setting(None, "--served-model-name",
                                              "name clients pass as `model`", (CONDUCTOR, *ENGINES))
-    # auto = bfloat16 where the CPU has bf16 matmul hardware, else float32; the conductor
-    # namespaces block keys by it and sizes the built-in cost model's KV bytes with it.
+    # auto = float32 activations and KV with measured linear kernels; the conductor namespaces
+    # block keys by it and sizes the built-in cost model's KV bytes with it.
     dtype: str = _setting(
         "auto", "--dtype",
-        "auto (default: bfloat16 where the CPU has AMX/AVX512-BF16, else float32) | float32 | "
-        "bfloat16 | float16; float32 is the exact mode", (CONDUCTOR, *ENGINES))
+        "auto (default: float32 activations and KV, each linear's kernel timed at start-up "
+        "among fp32, bf16 where the CPU has AMX/AVX512-BF16, and int8) | float32 | bfloat16 | "
+        "float16; float32 is the exact mode", (CONDUCTOR, *ENGINES))
     quantization: str = _setting(
         "auto", "--quantization",
-        "auto (default: int8 on CPUs without bf16 hardware) | none | int8 (weight-only int8 "
-        "linears)", ENGINES)
+        "auto (default: measured kernels under --dtype auto, plain linears under a dtype given "
+        "by hand) | none | int8 (dynamic int8 linears, per-channel weights)", ENGINES)
     block_tokens: int = _setting(16, "--block-tokens", "tokens per KV block (default 16)",
                                  (CONDUCTOR, *ENGINES))
     # None = the model's max_position_embeddings

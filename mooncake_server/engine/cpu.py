@@ -1,9 +1,9 @@
 """What the CPU at hand computes fast: read once from /proc/cpuinfo, never assumed.
 
 Machines differ: Intel parts with AMX-BF16 run bf16 GEMMs several times faster than fp32, while
-AVX2-only parts run torch's bf16 GEMM ~100x slower than fp32. `--dtype auto` and
-`--quantization auto` are decided here, from the flags, so every process on one machine decides
-the same (their KV bytes must agree).
+AVX2-only parts run torch's bf16 GEMM ~100x slower than fp32. The flags decide which kernels are
+worth timing for `--dtype auto` (float32 activations and KV everywhere, so every machine's KV
+bytes agree; the linears' kernels are then measured, see linears.py).
 """
 
 from __future__ import annotations
@@ -64,21 +64,17 @@ def cpu_features() -> CpuFeatures:
         return CpuFeatures("", frozenset())
 
 
-def auto_dtype(cpu: CpuFeatures) -> str:
-    """bfloat16 where the CPU multiplies it in hardware, else float32."""
-    return "bfloat16" if cpu.bf16 else "float32"
-
-
-def auto_quantization(cpu: CpuFeatures, dtype: str) -> str:
-    """int8 weights where activations stay float32 and int8 kernels exist (AVX2-only parts)."""
-    return "int8" if dtype == "float32" and cpu.int8 and not cpu.bf16 else "none"
-
-
 def resolve_dtype_name(name: str) -> str:
-    """--dtype as a concrete name ('auto' decided from this machine's CPU flags)."""
-    return auto_dtype(cpu_features()) if name == "auto" else name
+    """--dtype as the activations' and KV's dtype ('auto' runs float32 activations)."""
+    return "float32" if name == "auto" else name
 
 
-def resolve_quantization(name: str, dtype: str) -> str:
-    """--quantization as a concrete name ('auto': int8 where fp32 runs on a CPU without bf16)."""
-    return auto_quantization(cpu_features(), dtype) if name == "auto" else name
+def resolve_quantization(name: str, dtype_flag: str) -> str:
+    """--quantization as what load_model applies, given --dtype as passed.
+
+    'auto' measures the kernels under `--dtype auto` ("auto" stays); a dtype named by hand gets
+    plain linears in it (float32 by hand is the exact mode, whatever the CPU).
+    """
+    if name != "auto":
+        return name
+    return "auto" if dtype_flag == "auto" else "none"

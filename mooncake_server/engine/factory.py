@@ -38,12 +38,12 @@ def build_runner(config: ServerConfig, make_buffer: BufferFactory) -> tuple[Mode
     path = resolve_model(config.model)
     cpu = cpu_features()
     dtype_name = resolve_dtype_name(config.dtype)
-    quantization = resolve_quantization(config.quantization, dtype_name)
-    log.info("CPU %s: dtype %s%s, quantization %s%s", cpu.describe(), dtype_name,
-             " (auto)" if config.dtype == "auto" else "", quantization,
-             " (auto)" if config.quantization == "auto" else "")
+    quantization = resolve_quantization(config.quantization, config.dtype)
+    log.info("CPU %s: dtype %s%s, linears %s", cpu.describe(), dtype_name,
+             " (auto)" if config.dtype == "auto" else "",
+             "measured at start-up" if quantization == "auto" else quantization)
     dtype = resolve_dtype(dtype_name)
-    model = load_model(path, dtype, quantization)
+    model = load_model(path, dtype, quantization, cores)
     layout = KVLayout.from_model_config(model.config, config.block_tokens, dtype)
     num_blocks = config.kv_memory_bytes // layout.block_bytes
     if num_blocks < 1:

@@ -18,9 +18,14 @@ from mooncake_server.engine.attention import (
     register_paged_attention,
 )
 from mooncake_server.engine.core_budget import CoreBudget, FixedThreads
-from mooncake_server.engine.cpu import resolve_dtype_name
+from mooncake_server.engine.cpu import cpu_features, resolve_dtype_name
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
-from mooncake_server.engine.linears import prepare_linears
+from mooncake_server.engine.linears import (
+    KernelChoice,
+    kernel_candidates,
+    measure_kernels,
+    prepare_linears,
+)
 from mooncake_server.engine.llama_stack import LlamaStack, supports
 from mooncake_server.engine.sequence import Sequence
 
@@ -30,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """Map --dtype to a torch dtype; 'auto' is bfloat16 where the CPU has bf16 hardware."""
+    """Map --dtype to the activations' torch dtype ('auto': float32, measured linears)."""
     return _DTYPES[resolve_dtype_name(name)]
 
 
@@ -41,13 +46,27 @@ def packed_forward(model: torch.nn.Module) -> torch.nn.Module:
     return LlamaStack(model).eval()
 
 
-def load_model(model_path: str, dtype: torch.dtype, quantization: str = "none") -> torch.nn.Module:
-    """Load HF weights with our paged attention and the CPU's fast linears; inference mode, eval."""
+def load_model(model_path: str, dtype: torch.dtype, quantization: str = "none",
+               cores: CoreBudget | FixedThreads | None = None) -> torch.nn.Module:
+    """Load HF weights with our paged attention and the CPU's fast linears; inference mode, eval.
+
+    `quantization` "auto" times the CPU's kernels on the weights, holding a turn on `cores` so
+    engines starting together do not time each other's load.
+    """
     impl = register_paged_attention()
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=impl)
     # Fuse before quantizing or packing: the fast kernels then apply to the fused linears.
     model = packed_forward(hf.eval())
-    done = prepare_linears(model, dtype, quantization)
+    turns = cores or FixedThreads(None)
+
+    def measure(linears: list[torch.nn.Linear]) -> KernelChoice:
+        turns.enter_step()
+        try:
+            return measure_kernels(linears, kernel_candidates(cpu_features()))
+        finally:
+            turns.exit_step()
+
+    done = prepare_linears(model, dtype, quantization, measure)
     log.info("forward: %s; linears: %s",
              "lean Llama stack" if isinstance(model, LlamaStack) else "HF modules", done)
     return model

@@ -1,8 +1,22 @@
-"""`auto` reads the CPU: bf16 where it is in hardware, int8 weights on AVX2-only parts."""
+"""`--dtype auto`: float32 activations, the linears' kernels timed among those the CPU has."""
 
 from __future__ import annotations
 
-from mooncake_server.engine.cpu import auto_dtype, auto_quantization, parse_cpuinfo
+import copy
+
+import pytest
+import torch
+
+from mooncake_server.engine.cpu import parse_cpuinfo, resolve_dtype_name, resolve_quantization
+from mooncake_server.engine.linears import (
+    BatchSizedLinear,
+    apply_kernels,
+    bf16_packing_supported,
+    choose_kernels,
+    int8_linear,
+    kernel_candidates,
+    measure_kernels,
+)
 
 AMX = "processor : 0\nmodel name : Intel(R) Xeon(R) Platinum 8480+\nflags : fpu sse2 avx2 " \
       "avx512f avx512_bf16 amx_bf16 amx_tile avx512_vnni\n\nprocessor : 1\nflags : fpu\n"
@@ -10,25 +24,72 @@ AVX2 = "processor : 0\nmodel name : AMD EPYC 7B12\nflags : fpu sse2 avx avx2 fma
 OLD = "processor : 0\nmodel name : QEMU Virtual CPU\nflags : fpu sse2\n"
 
 
-def test_amx_cpu_gets_bf16_without_quantization() -> None:
+def test_amx_cpu_times_bf16_and_int8_beside_fp32() -> None:
     cpu = parse_cpuinfo(AMX)
     assert cpu.bf16 and cpu.model.startswith("Intel")
-    assert auto_dtype(cpu) == "bfloat16"
-    assert auto_quantization(cpu, "bfloat16") == "none"
     assert "amx_bf16" in cpu.describe()
+    kernels = kernel_candidates(cpu)
+    assert kernels[0] == "float32"
+    assert ("bfloat16" in kernels) == bf16_packing_supported()
 
 
-def test_avx2_only_cpu_gets_fp32_with_int8_weights() -> None:
-    cpu = parse_cpuinfo(AVX2)
-    assert not cpu.bf16
-    assert auto_dtype(cpu) == "float32"
-    assert auto_quantization(cpu, "float32") == "int8"
+def test_avx2_only_cpu_never_times_bf16() -> None:
+    """torch's bf16 GEMM runs ~100x slower than fp32 there: not even worth one timing."""
+    kernels = kernel_candidates(parse_cpuinfo(AVX2))
+    assert "bfloat16" not in kernels and "float32" in kernels
 
 
-def test_cpu_without_vector_units_stays_exact() -> None:
-    cpu = parse_cpuinfo(OLD)
-    assert (auto_dtype(cpu), auto_quantization(cpu, "float32")) == ("float32", "none")
+def test_cpu_without_vector_units_keeps_plain_float32() -> None:
+    assert kernel_candidates(parse_cpuinfo(OLD)) == ["float32"]
 
 
-def test_explicit_bf16_on_an_avx2_cpu_is_not_quantized() -> None:
-    assert auto_quantization(parse_cpuinfo(AVX2), "bfloat16") == "none"
+def test_auto_runs_float32_activations_and_measured_linears() -> None:
+    assert resolve_dtype_name("auto") == "float32"
+    assert resolve_quantization("auto", "auto") == "auto"
+
+
+def test_a_dtype_named_by_hand_gets_plain_linears() -> None:
+    """--dtype float32 is the exact mode on every CPU, AVX2-only ones included."""
+    assert resolve_quantization("auto", "float32") == "none"
+    assert resolve_quantization("auto", "bfloat16") == "none"
+    assert resolve_quantization("int8", "float32") == "int8"
+
+
+def test_choice_hands_over_where_the_many_row_winner_gets_ahead() -> None:
+    seconds = {"float32": {1: 5.0, 4: 5.0, 16: 6.0, 64: 20.0, 256: 80.0},
+               "int8": {1: 2.0, 4: 2.1, 16: 3.0, 64: 9.0, 256: 30.0},
+               "bfloat16": {1: 4.0, 4: 4.0, 16: 2.9, 64: 4.0, 256: 8.0}}
+    choice = choose_kernels(seconds)
+    assert (choice.small, choice.large, choice.up_to) == ("int8", "bfloat16", 4)
+    assert "int8 up to 4 rows, bfloat16 above" in choice.describe()
+
+
+def test_one_kernel_fastest_everywhere_is_used_alone() -> None:
+    seconds = {"float32": {1: 5.0, 256: 80.0}, "int8": {1: 2.0, 256: 30.0}}
+    choice = choose_kernels(seconds)
+    assert (choice.small, choice.large) == ("int8", "int8")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    apply_kernels(model, choice)
+    assert not isinstance(model[0], BatchSizedLinear) and not isinstance(model[0], torch.nn.Linear)
+
+
+def test_measured_choice_names_every_candidate_it_timed() -> None:
+    linears = [torch.nn.Linear(64, 96) for _ in range(4)]
+    choice = measure_kernels(linears, ["float32", "int8"], rows=(1, 8), reps=1)
+    assert set(choice.seconds) == {"float32", "int8"}
+    assert all(t > 0 for v in choice.seconds.values() for t in v.values())
+    assert {choice.small, choice.large} <= {"float32", "int8"}
+
+
+@pytest.mark.skipif(not bf16_packing_supported(), reason="this CPU/torch has no oneDNN bf16")
+def test_batch_sized_linear_runs_each_kernel_on_its_side_of_the_handover() -> None:
+    lin = torch.nn.Linear(32, 48)
+    int8_alone = int8_linear(copy.deepcopy(lin))
+    model = torch.nn.Sequential(lin)
+    apply_kernels(model, choose_kernels({"int8": {1: 1.0, 256: 9.0},
+                                         "bfloat16": {1: 2.0, 256: 3.0}}))
+    assert isinstance(model[0], BatchSizedLinear) and model[0].up_to == 1
+    one, many = torch.randn(1, 32), torch.randn(5, 32)
+    bf16 = torch.nn.functional.linear(many.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16())
+    assert torch.equal(model(many), bf16.float())
+    assert torch.equal(model(one), int8_alone(one))

@@ -11,7 +11,12 @@ import torch
 from test_engine_loop import collect, hf_greedy, make_backend
 
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
-from mooncake_server.engine.linears import bf16_packing_supported, prepare_linears
+from mooncake_server.engine.linears import (
+    KernelChoice,
+    bf16_packing_supported,
+    choose_kernels,
+    prepare_linears,
+)
 from mooncake_server.engine.llama_stack import LlamaStack, supports
 from mooncake_server.engine.model_runner import ModelRunner, StepItem, packed_forward
 from mooncake_server.engine.sequence import Sequence
@@ -100,14 +105,16 @@ def test_colocated_prompt_chunks_are_capped_while_sequences_decode(tiny_model_pa
     assert out_long == hf_greedy(tiny_model_pair[0], long, 3)
 
 
-def _greedy_with_linears(tiny_model_pair, dtype: torch.dtype, quantization: str) -> None:
+def _greedy_with_linears(tiny_model_pair, dtype: torch.dtype, quantization: str,
+                         choice: KernelChoice | None = None) -> None:
     ref, paged = (copy.deepcopy(m).to(dtype) for m in tiny_model_pair)
     # HF runs the same kernels: the reference differs from ours only in attention, batching and
     # the fused qkv / gate|up linears (quantized per output channel, so fusing changes nothing).
-    prepare_linears(ref, dtype, quantization)
+    measure = None if choice is None else (lambda linears: choice)
+    prepare_linears(ref, dtype, quantization, measure)
     paged = packed_forward(paged)
     assert isinstance(paged, LlamaStack)
-    prepare_linears(paged, dtype, quantization)
+    prepare_linears(paged, dtype, quantization, measure)
     layout = KVLayout.from_model_config(paged.config, 4, dtype)
     kv = PagedKVCache(layout, num_blocks=200)
     runner = ModelRunner(paged, kv)
@@ -126,6 +133,15 @@ def test_bf16_packed_linears_greedy_equals_hf_in_bf16(tiny_model_pair) -> None:
 def test_int8_linears_greedy_equals_hf_with_the_same_quantization(tiny_model_pair) -> None:
     """--quantization int8 (what auto picks on AVX2-only CPUs) matches HF quantized alike."""
     _greedy_with_linears(tiny_model_pair, torch.float32, "int8")
+
+
+@pytest.mark.skipif(not bf16_packing_supported(), reason="this CPU/torch has no oneDNN bf16")
+def test_measured_kernels_greedy_equals_hf_with_the_same_kernels(tiny_model_pair) -> None:
+    """--dtype auto on an AMX CPU: int8 for one-token steps (and a 3-token prompt), bf16 above."""
+    choice = choose_kernels({"int8": {1: 1.0, 4: 1.5, 16: 4.0, 256: 9.0},
+                             "bfloat16": {1: 2.0, 4: 2.0, 16: 2.0, 256: 3.0}})
+    assert (choice.small, choice.up_to, choice.large) == ("int8", 4, "bfloat16")
+    _greedy_with_linears(tiny_model_pair, torch.float32, "auto", choice)
 
 
 def test_packed_bf16_linear_is_bit_identical_to_plain_bf16(tiny_model_pair) -> None:
