@@ -12,25 +12,23 @@ Two replacements of `nn.Linear`, applied to every linear of the loaded model (lm
   Its activation scale is taken over the whole packed batch, so a token's logits can move by
   rounding with what shares its step; greedy output is compared with HF running the same module.
 
-`--dtype auto` (float32 activations and KV) times the kernels the CPU has on the model's own
-weights at start-up and gives each linear the fastest for the pass at hand: on the 2-core AMX
-machine here oneDNN's bf16 GEMV reads weights at 13-17 GB/s against fp32's ~22, so one-token
-steps go fastest in int8, while prompt passes run many times faster in bf16 on AMX.
-`BatchSizedLinear` switches between the two by the rows of the call.
+`--dtype auto` (float32 activations and KV) gives each linear the kernel measured fastest for
+the pass at hand (kernel_choice.py): `BatchSizedLinear` switches between two by the rows of the
+call, since one-token steps are bound by weight bytes and prompt passes by arithmetic.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from mooncake_server.engine.cpu import CpuFeatures
+if TYPE_CHECKING:
+    from mooncake_server.engine.kernel_choice import KernelChoice
 
 log = logging.getLogger(__name__)
 
@@ -99,101 +97,6 @@ class BatchSizedLinear(nn.Module):
         """x @ W.T + b by the kernel measured fastest for this many rows."""
         rows = x.numel() // x.shape[-1]
         return self.small(x) if rows <= self.up_to else self.large(x)
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """Which kernel a float32 model's linears run, by rows per call; and the times behind it."""
-
-    small: str
-    large: str
-    up_to: int  # rows up to which `small` runs
-    seconds: dict[str, dict[int, float]]  # kernel -> rows -> time of the sampled linears
-
-    def describe(self) -> str:
-        """A log line: the choice, then each kernel's times in ms."""
-        rows = sorted(next(iter(self.seconds.values())))
-        table = "; ".join(f"{k} " + " ".join(f"{m}:{t * 1e3:.2f}" for m, t in sorted(v.items()))
-                          for k, v in self.seconds.items())
-        pick = (self.small if self.small == self.large
-                else f"{self.small} up to {self.up_to} rows, {self.large} above")
-        return f"{pick} (ms for rows {rows[0]}..{rows[-1]}: {table})"
-
-
-def choose_kernels(seconds: dict[str, dict[int, float]]) -> KernelChoice:
-    """The fastest kernel at the fewest and at the most rows, and where one hands over to the other.
-
-    `up_to` is the largest measured row count at which the one-token winner is still no slower
-    than the many-row winner, so only the two ends are trusted to rank, not every point between.
-    """
-    rows = sorted(next(iter(seconds.values())))
-    small = min(seconds, key=lambda k: seconds[k][rows[0]])
-    large = min(seconds, key=lambda k: seconds[k][rows[-1]])
-    up_to = rows[-1] if small == large else rows[0]
-    if small != large:
-        for m in rows:
-            if seconds[small][m] > seconds[large][m]:
-                break
-            up_to = m
-    return KernelChoice(small, large, up_to, seconds)
-
-
-def _time_kernels(kernels: Sequence[nn.Module], rows: int, reps: int) -> float:
-    """Sum over `kernels` of each one's best call time on `rows` rows, over `reps` rounds.
-
-    Calls are timed one by one and the best of each kept: a busy machine preempts a few calls,
-    rarely the same one in every round. Each round walks all kernels, so a weight has left the
-    cache by the time it is read again, as in a forward.
-    """
-    inputs = {n: torch.randn(rows, n) for n in {_in_features(m) for m in kernels}}
-    best = [float("inf")] * len(kernels)
-    with torch.inference_mode():
-        for m in kernels:  # first calls set up oneDNN/fbgemm state: not what a step pays
-            m(inputs[_in_features(m)])
-        for _ in range(reps):
-            for i, m in enumerate(kernels):
-                x = inputs[_in_features(m)]
-                start = time.perf_counter()
-                m(x)
-                best[i] = min(best[i], time.perf_counter() - start)
-    return sum(best)
-
-
-def _in_features(m: nn.Module) -> int:
-    """Input width of a float, packed or quantized linear."""
-    in_features = getattr(m, "in_features", None)
-    if in_features is None:  # torch.ao's dynamic linear keeps it in its weight
-        in_features = m.weight().shape[1]  # type: ignore[operator]
-    return int(in_features)
-
-
-def measure_kernels(linears: Sequence[nn.Linear], kernels: Sequence[str],
-                    rows: Sequence[int] = (1, 4, 16, 64, 256), sample: int = 24,
-                    reps: int = 5) -> KernelChoice:
-    """Time each kernel on up to `sample` of the model's own linears and choose (see above).
-
-    The sample spans the model (every k-th linear) so its weights exceed the caches as a
-    forward's do; kernels are timed in turns, row count by row count, so load on the machine
-    falls on all of them alike.
-    """
-    step = max(1, len(linears) // sample)
-    picked = list(linears)[::step][:sample]
-    built = {k: [KERNELS[k](lin) for lin in picked] for k in kernels}
-    seconds: dict[str, dict[int, float]] = {k: {} for k in kernels}
-    for m in rows:
-        for k in kernels:
-            seconds[k][m] = _time_kernels(built[k], m, reps)
-    return choose_kernels(seconds)
-
-
-def kernel_candidates(cpu: CpuFeatures) -> list[str]:
-    """The kernels worth timing on `cpu`: bf16 only with bf16 hardware (else ~100x slower)."""
-    kernels = ["float32"]
-    if cpu.bf16 and bf16_packing_supported():
-        kernels.append("bfloat16")
-    if cpu.int8 and "fbgemm" in torch.backends.quantized.supported_engines:
-        kernels.append("int8")
-    return kernels
 
 
 def apply_kernels(model: nn.Module, choice: KernelChoice) -> int:

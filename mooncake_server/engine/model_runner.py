@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -19,13 +20,15 @@ from mooncake_server.engine.attention import (
 )
 from mooncake_server.engine.core_budget import CoreBudget, FixedThreads
 from mooncake_server.engine.cpu import cpu_features, resolve_dtype_name
-from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
-from mooncake_server.engine.linears import (
+from mooncake_server.engine.kernel_choice import (
     KernelChoice,
+    choice_key,
     kernel_candidates,
     measure_kernels,
-    prepare_linears,
+    remembered_choice,
 )
+from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
+from mooncake_server.engine.linears import prepare_linears
 from mooncake_server.engine.llama_stack import LlamaStack, supports
 from mooncake_server.engine.sequence import Sequence
 
@@ -47,11 +50,13 @@ def packed_forward(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def load_model(model_path: str, dtype: torch.dtype, quantization: str = "none",
-               cores: CoreBudget | FixedThreads | None = None) -> torch.nn.Module:
+               cores: CoreBudget | FixedThreads | None = None,
+               kernel_cache: Path | None = None) -> torch.nn.Module:
     """Load HF weights with our paged attention and the CPU's fast linears; inference mode, eval.
 
-    `quantization` "auto" times the CPU's kernels on the weights, holding a turn on `cores` so
-    engines starting together do not time each other's load.
+    `quantization` "auto" uses the kernel choice remembered in `kernel_cache` (a folder) for
+    this CPU and these weights, or times the CPU's kernels on them, holding a turn on `cores`
+    so engines starting together do not time each other's load.
     """
     impl = register_paged_attention()
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=impl)
@@ -60,11 +65,20 @@ def load_model(model_path: str, dtype: torch.dtype, quantization: str = "none",
     turns = cores or FixedThreads(None)
 
     def measure(linears: list[torch.nn.Linear]) -> KernelChoice:
-        turns.enter_step()
-        try:
-            return measure_kernels(linears, kernel_candidates(cpu_features()))
-        finally:
-            turns.exit_step()
+        cpu = cpu_features()
+        kernels = kernel_candidates(cpu)
+
+        def timed() -> KernelChoice:
+            turns.enter_step()
+            try:
+                return measure_kernels(linears, kernels)
+            finally:
+                turns.exit_step()
+
+        if kernel_cache is None:
+            return timed()
+        return remembered_choice(kernel_cache / f"{choice_key(cpu, kernels, linears)}.json",
+                                 timed)
 
     done = prepare_linears(model, dtype, quantization, measure)
     log.info("forward: %s; linears: %s",

@@ -8,14 +8,18 @@ import pytest
 import torch
 
 from mooncake_server.engine.cpu import parse_cpuinfo, resolve_dtype_name, resolve_quantization
+from mooncake_server.engine.kernel_choice import (
+    choice_key,
+    choose_kernels,
+    kernel_candidates,
+    measure_kernels,
+    remembered_choice,
+)
 from mooncake_server.engine.linears import (
     BatchSizedLinear,
     apply_kernels,
     bf16_packing_supported,
-    choose_kernels,
     int8_linear,
-    kernel_candidates,
-    measure_kernels,
 )
 
 AMX = "processor : 0\nmodel name : Intel(R) Xeon(R) Platinum 8480+\nflags : fpu sse2 avx2 " \
@@ -76,9 +80,35 @@ def test_one_kernel_fastest_everywhere_is_used_alone() -> None:
 def test_measured_choice_names_every_candidate_it_timed() -> None:
     linears = [torch.nn.Linear(64, 96) for _ in range(4)]
     choice = measure_kernels(linears, ["float32", "int8"], rows=(1, 8), reps=1)
-    assert set(choice.seconds) == {"float32", "int8"}
-    assert all(t > 0 for v in choice.seconds.values() for t in v.values())
+    assert set(choice.relative) == {"float32", "int8"}
+    assert choice.relative["float32"] == {1: 1.0, 8: 1.0}  # the reference
+    assert all(r > 0 for r in choice.relative["int8"].values())
     assert {choice.small, choice.large} <= {"float32", "int8"}
+
+
+def test_a_choice_is_measured_once_then_remembered(tmp_path) -> None:
+    """Later starts (and the other engines of a cluster) reuse it instead of timing again."""
+    cpu = parse_cpuinfo(AMX)
+    linears = [torch.nn.Linear(64, 96)]
+    path = tmp_path / f"{choice_key(cpu, ['float32', 'int8'], linears)}.json"
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return choose_kernels({"float32": {1: 1.0, 256: 1.0}, "int8": {1: 0.4, 256: 0.7}})
+
+    first = remembered_choice(path, measure)
+    again = remembered_choice(path, measure)
+    assert measured == [1] and first == again and first.small == "int8"
+    other = choice_key(cpu, ["float32", "int8"], [torch.nn.Linear(64, 128)])
+    assert other != path.stem  # other weights are timed anew
+
+
+def test_a_damaged_remembered_choice_is_measured_again(tmp_path) -> None:
+    path = tmp_path / "k.json"
+    path.write_text("{not json")
+    choice = remembered_choice(path, lambda: choose_kernels({"float32": {1: 1.0}}))
+    assert choice.small == "float32" and '"relative"' in path.read_text()
 
 
 @pytest.mark.skipif(not bf16_packing_supported(), reason="this CPU/torch has no oneDNN bf16")

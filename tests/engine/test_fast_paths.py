@@ -10,13 +10,9 @@ import pytest
 import torch
 from test_engine_loop import collect, hf_greedy, make_backend
 
+from mooncake_server.engine.kernel_choice import KernelChoice, choose_kernels
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
-from mooncake_server.engine.linears import (
-    KernelChoice,
-    bf16_packing_supported,
-    choose_kernels,
-    prepare_linears,
-)
+from mooncake_server.engine.linears import bf16_packing_supported, prepare_linears
 from mooncake_server.engine.llama_stack import LlamaStack, supports
 from mooncake_server.engine.model_runner import ModelRunner, StepItem, packed_forward
 from mooncake_server.engine.sequence import Sequence
