@@ -41,12 +41,13 @@ class _Recent:
         self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (measured at, ratio)
         self.changed = False  # since the owner last computed its value
 
-    def add(self, measured_s: float, modelled_s: float) -> None:
-        """Keep measured / modelled, clamped, stamped now (nothing if nothing was modelled)."""
+    def add(self, measured_s: float, modelled_s: float, at: float | None = None) -> None:
+        """Keep measured / modelled, clamped, stamped `at` (default now; nothing if nothing was
+        modelled). Stamps must not go back in time."""
         if modelled_s <= 0:
             return
         ratio = min(self.hi, max(self.lo, measured_s / modelled_s))
-        self.samples.append((self._clock(), ratio))
+        self.samples.append((self._clock() if at is None else at, ratio))
         self.changed = True
 
     def expire(self) -> None:
@@ -66,9 +67,9 @@ class _RecentCalibration:
         self._recent = _Recent(window, lo, hi, horizon_s, clock)
         self._value = 1.0
 
-    def add(self, measured_s: float, modelled_s: float) -> None:
+    def add(self, measured_s: float, modelled_s: float, at: float | None = None) -> None:
         """One measured step, gap or job against what the model predicted for it."""
-        self._recent.add(measured_s, modelled_s)
+        self._recent.add(measured_s, modelled_s, at)
 
     @property
     def value(self) -> float:

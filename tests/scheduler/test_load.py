@@ -95,3 +95,20 @@ def test_an_idle_instance_forgets_what_an_overload_measured() -> None:
     assert t.handoff_calibration("d1") == 1.0
     t.assign("next", "p1", 1.0, "d1", 10)
     assert t.prefill_queue_s("p1") == pytest.approx(1.0)  # the model's estimate again
+
+
+def test_prefills_answered_by_one_batched_pass_calibrate_as_one() -> None:
+    """The worker batches a queue: 4 jobs of 1 s estimated done in one 2 s pass = 0.5x, not 2x
+    for the head (and 0.25x, the clamp, for each job answered right after it)."""
+    clock = Clock()
+    t = LoadTracker(clock)
+    for i in range(4):
+        t.assign(f"r{i}", "p1", 1.0, "d1", 10)
+    clock.now += 2.0
+    for i in range(4):
+        t.prefill_done(f"r{i}")
+        clock.now += 0.001
+    clock.now += 1.0
+    assert t.calibration("p1") == pytest.approx(1.0 + 0.3 * (2.003 / 4.0 - 1.0), rel=1e-3)
+    t.assign("next", "p1", 1.0, "d1", 10)
+    assert t.prefill_queue_s("p1") < 1.0

@@ -26,6 +26,10 @@ from mooncake_server.cost_model.calibration import (
 )
 from mooncake_server.wire.instances import Heartbeat
 
+# First tokens closer together than this came out of one batched prefill pass: the prefill
+# instance answers a pass's jobs back to back, and a pass takes longer than this.
+SAME_PASS_S = 0.05
+
 # The hand-off gap is modelled as this many decode steps (wait for the running step, then the
 # request's own) before its calibration; the KV load rides inside the calibrated factor.
 HANDOFF_STEPS = 2.0
@@ -36,6 +40,15 @@ class _PrefillEntry:
     request_id: str
     estimate_s: float  # uncalibrated model estimate
     assigned_at: float
+
+
+@dataclass
+class _Pass:
+    """Prefills answered together: one batched forward, timed against their summed estimates."""
+
+    started: float
+    estimate_s: float
+    ended: float
 
 
 class _Calibrations(NamedTuple):
@@ -59,6 +72,7 @@ class _Instance:
     cal: _Calibrations
     prefill: list[_PrefillEntry] = field(default_factory=list)  # FIFO, as the instance serves
     last_done_at: float = float("-inf")
+    open_pass: _Pass | None = None  # the last first tokens, until the pass is surely over
     decode: dict[str, int] = field(default_factory=dict)  # request id -> context tokens
 
 
@@ -130,13 +144,32 @@ class LoadTracker:
         self._first_token_at[request_id] = now
         for i, entry in enumerate(inst.prefill):
             if entry.request_id == request_id:
-                started = max(entry.assigned_at, inst.last_done_at)
-                if i == 0:
-                    # Only the head was measured alone; later ones overlapped its wait.
-                    inst.cal.prefill.add(now - started, entry.estimate_s)
+                p = inst.open_pass
+                if p is not None and now - p.ended <= SAME_PASS_S:
+                    p.estimate_s += entry.estimate_s
+                    p.ended = now
+                else:
+                    self._close_pass(inst)
+                    if i == 0:
+                        # Only a pass that began with the head was timed from its start; the
+                        # jobs answered with it share that time (the worker batches a queue).
+                        inst.open_pass = _Pass(max(entry.assigned_at, inst.last_done_at),
+                                               entry.estimate_s, now)
                 del inst.prefill[i]
                 break
         inst.last_done_at = now
+
+    @staticmethod
+    def _close_pass(inst: _Instance) -> None:
+        """Calibrate by the open pass, if any: its time against its jobs' summed estimates."""
+        p, inst.open_pass = inst.open_pass, None
+        if p is not None:
+            inst.cal.prefill.add(p.ended - p.started, p.estimate_s, at=p.ended)
+
+    def _settle(self, inst: _Instance) -> None:
+        """Close the open pass once no more first tokens can belong to it."""
+        if inst.open_pass is not None and self._clock() - inst.open_pass.ended > SAME_PASS_S:
+            self._close_pass(inst)
 
     def token(self, request_id: str, predicted_step_s: float | None = None) -> None:
         """One more token decoded: the request's context grows by one.
@@ -191,7 +224,10 @@ class LoadTracker:
     def calibration(self, instance_id: str) -> float:
         """Measured / estimated prefill time on this instance (1.0 until measured)."""
         inst = self._instances.get(instance_id)
-        return inst.cal.prefill.value if inst else 1.0
+        if inst is None:
+            return 1.0
+        self._settle(inst)
+        return inst.cal.prefill.value
 
     def handoff_calibration(self, instance_id: str) -> float:
         """Measured / modelled hand-off gaps of a decode instance (their slow tail)."""
@@ -210,7 +246,7 @@ class LoadTracker:
     def prefill_queue_s(self, instance_id: str, beat: Heartbeat | None = None) -> float:
         """Seconds until this instance could start a new prefill (calibrated)."""
         inst = self._instances.get(instance_id)
-        cal = inst.cal.prefill.value if inst else 1.0
+        cal = self.calibration(instance_id)
         queue = [e.estimate_s * cal for e in inst.prefill] if inst else []
         total = sum(queue)
         if inst and inst.prefill:
