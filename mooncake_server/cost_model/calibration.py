@@ -2,8 +2,9 @@
 
 A request's TBT is the mean of its longest 10% of token gaps (the paper's definition), so a mean
 correction under-predicts what the SLO sees whenever steps vary (a prefill sharing the CPU, a
-long batch). `TailCalibration` keeps the recent measured / modelled ratios and answers their
-90th percentile, so admission and the scheduler's TBT estimates budget for the slow steps.
+long batch). `TailCalibration` keeps the recent measured / modelled ratios and answers a high
+quantile of them, `TailMeanCalibration` the mean of their longest tenth (as TBT is judged), so
+admission and the scheduler's TBT estimates budget for the slow steps.
 `SmoothedCalibration` is the prefill side's moving average of the same ratio.
 
 Both forget by time as well as by count: a ratio older than `horizon_s` is dropped when the
@@ -101,6 +102,21 @@ class TailCalibration(_RecentCalibration):
     def _summarise(self, ratios: list[float]) -> float:
         ordered = sorted(ratios)
         return ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+
+
+class TailMeanCalibration(TailCalibration):
+    """The mean of the recent ratios from the quantile up (1.0 when none is recent).
+
+    A request's TBT is the mean of its longest tenth of gaps, so the mean of the recent gaps'
+    longest tenth is what a request like them is judged by. Their 90th percentile, the tail's
+    lowest value, under-read it whenever the tail was long: prefill passes and other processes
+    on the cores stretch a few gaps a lot, not many gaps a little.
+    """
+
+    def _summarise(self, ratios: list[float]) -> float:
+        ordered = sorted(ratios)
+        tail = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered))):]
+        return sum(tail) / len(tail)
 
 
 class SmoothedCalibration(_RecentCalibration):

@@ -78,3 +78,17 @@ def test_a_horizon_must_be_positive(make: type) -> None:
     with pytest.raises(ValueError, match="horizon_s"):
         make(horizon_s=0.0)
 
+
+
+def test_the_tail_mean_reads_a_long_tail_as_the_slo_judges_it() -> None:
+    """Gaps: 90% as modelled, the slowest tenth 2x..20x: a request like them is judged by
+    the mean of its slowest tenth (11x), which the 90th percentile (2x) under-reads."""
+    from mooncake_server.cost_model.calibration import TailMeanCalibration
+
+    quantile, mean = TailCalibration(clock=Clock()), TailMeanCalibration(clock=Clock())
+    tail = [2.0 * (i + 1) for i in range(10)]  # 2, 4, ..., 20
+    for ratio in [1.0] * 90 + tail:
+        quantile.add(ratio, 1.0)
+        mean.add(ratio, 1.0)
+    assert quantile.value == pytest.approx(2.0)
+    assert mean.value == pytest.approx(sum(tail) / len(tail))

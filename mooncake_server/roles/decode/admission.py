@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mooncake_server.cost_model.calibration import DEFAULT_HORIZON_S, TailCalibration
+from mooncake_server.cost_model.calibration import DEFAULT_HORIZON_S, TailMeanCalibration
 from mooncake_server.cost_model.perf_model import PerfModel
 
 
@@ -49,7 +49,7 @@ class DecodeAdmission:
         self.model = model
         self.tbt_slo_s = tbt_slo_s
         self.ttl_s = ttl_s
-        self._calibration = TailCalibration(horizon_s=horizon_s, clock=clock)
+        self._calibration = TailMeanCalibration(horizon_s=horizon_s, clock=clock)
         self.refused = 0
         self._clock = clock
         self._held: dict[str, _Hold] = {}

@@ -23,6 +23,7 @@ from mooncake_server.cost_model.calibration import (
     DEFAULT_HORIZON_S,
     SmoothedCalibration,
     TailCalibration,
+    TailMeanCalibration,
 )
 from mooncake_server.wire.instances import Heartbeat
 
@@ -59,7 +60,7 @@ class _Calibrations(NamedTuple):
     prefill: SmoothedCalibration
     # Every token gap against the modelled step: the slow tail, as TBT is judged (CPU
     # contention on a shared host can slow steps many times over).
-    decode: TailCalibration
+    decode: TailMeanCalibration
     # The gap between a request's first token (prefill) and its second (decode's first step):
     # the hand-off (decode job, KV load, joining the batch), against HANDOFF_STEPS modelled
     # steps. With short outputs it is the longest gap, so it decides the request's TBT; one per
@@ -106,7 +107,7 @@ class LoadTracker:
     def _fresh_calibrations(self) -> _Calibrations:
         h, clock = self.horizon_s, self._clock
         return _Calibrations(SmoothedCalibration(horizon_s=h, clock=clock),
-                             TailCalibration(horizon_s=h, clock=clock),
+                             TailMeanCalibration(horizon_s=h, clock=clock),
                              TailCalibration(quantile=0.98, horizon_s=h, clock=clock))
 
     # ---- events -------------------------------------------------------------------------------
