@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from hashlib import blake2b
 
 # NOTE: bumping this invalidates every stored block (layout or hashing changed).
-KEY_SCHEME_VERSION = 1
+KEY_SCHEME_VERSION = 2  # 2: heads outside tokens in a block (kv_cache.py)
 _DIGEST_SIZE = 16
 # Whichever array typecode is 4 bytes on this platform ('i' everywhere we run).
 _INT32 = next(code for code in "ilh" if array(code).itemsize == 4)
