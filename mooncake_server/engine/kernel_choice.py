@@ -7,7 +7,9 @@ oneDNN's bf16 GEMV reads weights at 13-17 GB/s against fp32's ~22, so one-token 
 fastest in int8, while prompt passes run many times faster in bf16. So the kernels are timed on
 the model's own weights at a few row counts, and the result is kept in the cache directory
 (keyed by CPU, torch version and weight shapes): every later start, and every process of a
-cluster on this machine, uses the same choice without timing again.
+cluster on this machine, uses the same choice without timing again. Timings that do not agree
+with themselves (a busy machine) are not trusted: the CPU flags' default is used and nothing
+is remembered.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class KernelChoice:
     large: str
     up_to: int  # rows up to which `small` runs
     relative: dict[str, dict[int, float]]  # kernel -> rows -> time relative to the first kernel
+    # False: two timings disagreed (a busy machine), so the choice is the CPU flags' default
+    # and is not remembered.
+    trusted: bool = True
 
     def describe(self) -> str:
         """A log line: the choice, then each kernel's time relative to float32 per row count."""
@@ -49,7 +54,8 @@ class KernelChoice:
                           for k, v in self.relative.items())
         pick = (self.small if self.small == self.large
                 else f"{self.small} up to {self.up_to} rows, {self.large} above")
-        return f"{pick} (time vs {next(iter(self.relative))} by rows: {table})"
+        how = "" if self.trusted else ", timings disagreed: the CPU flags' default"
+        return f"{pick}{how} (time vs {next(iter(self.relative))} by rows: {table})"
 
 
 def choose_kernels(relative: dict[str, dict[int, float]]) -> KernelChoice:
@@ -108,25 +114,54 @@ def _best_call_times(kernels: Sequence[nn.Module], rows: int, reps: int) -> list
     return best
 
 
-def measure_kernels(linears: Sequence[nn.Linear], kernels: Sequence[str],
-                    rows: Sequence[int] = ROWS, sample: int = 16, reps: int = 3) -> KernelChoice:
-    """Time each kernel on up to `sample` of the model's own linears and choose (see above).
-
-    The sample spans the model (every k-th linear) so its weights exceed the caches as a
-    forward's do. A kernel's figure at a row count is the median, over the sampled linears, of
-    its time over the first kernel's: a busy machine stalls some calls of every round, and a
-    median of ratios shrugs off a few stalled linears where a sum of times would not.
-    """
-    step = max(1, len(linears) // sample)
-    picked = list(linears)[::step][:sample]
-    built = {k: [KERNELS[k](lin) for lin in picked] for k in kernels}
+def _relative_times(built: dict[str, list[nn.Module]], rows: Sequence[int],
+                    reps: int) -> dict[str, dict[int, float]]:
+    """Each kernel's median time ratio to the first kernel's, per row count."""
+    kernels = list(built)
     relative: dict[str, dict[int, float]] = {k: {} for k in kernels}
     for m in rows:
         times = {k: _best_call_times(built[k], m, reps) for k in kernels}
         ref = times[kernels[0]]
         for k in kernels:
             relative[k][m] = statistics.median(t / r for t, r in zip(times[k], ref))
-    return choose_kernels(relative)
+    return relative
+
+
+def default_choice(kernels: Sequence[str], relative: dict[str, dict[int, float]]) -> KernelChoice:
+    """What the CPU flags suggest when timings cannot be trusted (measured on an AMX part)."""
+    small = "int8" if "int8" in kernels else "float32"
+    large = "bfloat16" if "bfloat16" in kernels else small
+    return KernelChoice(small, large, 4 if small != large else max(ROWS), relative, False)
+
+
+def measure_kernels(linears: Sequence[nn.Linear], kernels: Sequence[str],
+                    rows: Sequence[int] = ROWS, sample: int = 16, reps: int = 3) -> KernelChoice:
+    """Time each kernel on up to `sample` of the model's own linears and choose (see above).
+
+    The sample spans the model (every k-th linear) so its weights exceed the caches as a
+    forward's do. A kernel's figure at a row count is the median, over the sampled linears, of
+    its time over the first kernel's. Timing runs on one thread: with a team, one preempted
+    thread stalls every call's barrier, and on a busy machine that made bf16 look 20x slower
+    than fp32 at 64 rows. The whole timing runs twice: when the two disagree on the fastest
+    kernel at the fewest or the most rows, the CPU flags' default is used instead (and not
+    remembered); else the hand-over is placed by the mean of the two.
+    """
+    step = max(1, len(linears) // sample)
+    picked = list(linears)[::step][:sample]
+    built = {k: [KERNELS[k](lin) for lin in picked] for k in kernels}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first = choose_kernels(_relative_times(built, rows, reps))
+        second = choose_kernels(_relative_times(built, rows, reps))
+    finally:
+        torch.set_num_threads(threads)
+    if (first.small, first.large) != (second.small, second.large):
+        log.warning("linear kernel timings disagree (%s / %s): is the machine busy?",
+                    first.describe(), second.describe())
+        return default_choice(kernels, first.relative)
+    return choose_kernels({k: {m: (r + second.relative[k][m]) / 2 for m, r in v.items()}
+                           for k, v in first.relative.items()})
 
 
 def choice_key(cpu: CpuFeatures, kernels: Sequence[str], linears: Sequence[nn.Linear]) -> str:
@@ -153,7 +188,8 @@ def remembered_choice(path: Path, measure: object) -> KernelChoice:
         except (OSError, ValueError, KeyError, AttributeError, StopIteration):
             pass
         choice = measure()  # type: ignore[operator]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(choice), indent=1))
-        tmp.replace(path)
+        if choice.trusted:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(asdict(choice), indent=1))
+            tmp.replace(path)
         return choice

@@ -11,6 +11,7 @@ from mooncake_server.engine.cpu import parse_cpuinfo, resolve_dtype_name, resolv
 from mooncake_server.engine.kernel_choice import (
     choice_key,
     choose_kernels,
+    default_choice,
     kernel_candidates,
     measure_kernels,
     remembered_choice,
@@ -123,3 +124,15 @@ def test_batch_sized_linear_runs_each_kernel_on_its_side_of_the_handover() -> No
     bf16 = torch.nn.functional.linear(many.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16())
     assert torch.equal(model(many), bf16.float())
     assert torch.equal(model(one), int8_alone(one))
+
+
+def test_untrusted_timings_fall_back_to_the_flags_and_are_not_remembered(tmp_path) -> None:
+    kernels = ["float32", "bfloat16", "int8"]
+    fallback = default_choice(kernels, {k: {1: 1.0} for k in kernels})
+    assert (fallback.small, fallback.large, fallback.trusted) == ("int8", "bfloat16", False)
+    assert "timings disagreed" in fallback.describe()
+    path = tmp_path / "k.json"
+    assert remembered_choice(path, lambda: fallback) == fallback
+    assert not path.exists()
+    assert default_choice(["float32", "int8"], {}).small == "int8"
+    assert default_choice(["float32"], {}).large == "float32"
