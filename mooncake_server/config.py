@@ -215,6 +215,7 @@ class ServerConfig:
         4, "--max-stop", "most stop sequences per request (default 4)", API_ROLES)
     max_stop_chars: int = _setting(256, "--max-stop-chars",
                                    "longest stop sequence (default 256 chars)", API_ROLES)
+    max_n: int = _setting(8, "--max-n", "most choices (n) per request (default 8)", API_ROLES)
     log_prompts: bool = _setting(  # prompts never reach the logs unless asked
         False, "--log-prompts", "log every request's prompt (off by default)", API_ROLES)
 
@@ -341,6 +342,8 @@ class ServerConfig:
             raise ValueError(f"--max-stop: must not be negative, got {self.max_stop_sequences}")
         if self.max_stop_chars < 1:
             raise ValueError(f"--max-stop-chars: must be at least 1, got {self.max_stop_chars}")
+        if self.max_n < 1:
+            raise ValueError(f"--max-n: must be at least 1, got {self.max_n}")
         if self.api_key != self.api_key.strip() or any(c.isspace() for c in self.api_key):
             raise ValueError("--api-key: must not contain whitespace")
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from mooncake_server.wire.jobs import SamplingParams
+from mooncake_server.wire.jobs import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -24,11 +24,16 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token. `cached_tokens` is meaningful on the first event."""
+    """One generated token of one choice. `cached_tokens` and `prompt_logprobs` are meaningful
+    on the request's first event (choice 0's first token)."""
 
     token_id: int
-    finish_reason: str | None = None  # "stop" (EOS) | "length" on the last token
+    finish_reason: str | None = None  # "stop" (EOS) | "length" on the choice's last token
     cached_tokens: int = 0
+    logprob: TokenLogprob | None = None  # with sampling.logprobs
+    # With sampling.prompt_logprobs (echo): one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    choice: int = 0  # index of the choice among the request's sampling.n
 
 
 class BackendError(Exception):
@@ -46,7 +51,10 @@ class Backend(Protocol):
     """Produces tokens for a request; cancelling the iterator (aclose) frees its resources."""
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        """Stream tokens until EOS, max_tokens, or the caller closes the iterator."""
+        """Stream tokens until every choice hit EOS or max_tokens, or the caller closes it.
+
+        Each of the `sampling.n` choices' tokens come in order; choices interleave freely.
+        """
         ...
 
     def ready(self) -> bool:

@@ -26,6 +26,7 @@ class RequestLimits:
     max_tokens: int | None = None
     max_stop_sequences: int = 4
     max_stop_chars: int = 256
+    max_n: int = 8  # choices per request (each decodes on its own; the prompt is shared)
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> RequestLimits:
@@ -37,6 +38,7 @@ class RequestLimits:
             max_tokens=config.max_tokens_limit,
             max_stop_sequences=config.max_stop_sequences,
             max_stop_chars=config.max_stop_chars,
+            max_n=config.max_n,
         )
 
     def check_request(self, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -45,6 +47,12 @@ class RequestLimits:
             raise APIError(
                 f"messages: at most {self.max_messages} messages per request, got "
                 f"{len(body.messages)}", param="messages", code="array_above_max_length")
+        if isinstance(body, CompletionRequest) and body.max_tokens == 0 and not body.echo:
+            raise APIError("max_tokens must be at least 1 (0 only with echo: the prompt scored, "
+                           "nothing generated)", param="max_tokens", code="invalid_value")
+        if (body.n or 1) > self.max_n:
+            raise APIError(f"n: at most {self.max_n} choices per request, got {body.n}",
+                           param="n", code="invalid_value")
         stops = body.stop_list()
         if len(stops) > self.max_stop_sequences:
             raise APIError(

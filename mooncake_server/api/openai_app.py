@@ -2,7 +2,8 @@
 
 A request walks: parse + validate -> tokenize (worker thread) -> length check -> backend.generate
 -> wait for the first token (racing a client disconnect; failures here are plain HTTP errors) ->
-JSON body, or SSE chunks ending in `data: [DONE]`. Whatever ends it (EOS, length, stop string,
+JSON body, or SSE chunks ending in `data: [DONE]`. With n > 1 the backend computes the prompt
+once and streams every choice's tokens (each chunk names its choice by `index`). Whatever ends it (EOS, length, stop string,
 client gone, backend failure), the backend iterator is closed so the request's resources go.
 """
 
@@ -29,8 +30,9 @@ from mooncake_server.api.errors import (
     sse_error_event,
     to_api_error,
 )
-from mooncake_server.api.generation import Generation
+from mooncake_server.api.generation import Choice, Generation
 from mooncake_server.api.limits import RequestLimits
+from mooncake_server.api.logprob_format import LogprobFormatter
 from mooncake_server.api.metrics import ApiMetrics
 from mooncake_server.api.prompts import encode_prompt, render_chat
 from mooncake_server.api.protocol import (
@@ -39,7 +41,7 @@ from mooncake_server.api.protocol import (
     ModelCard,
     ModelList,
 )
-from mooncake_server.api.responses import full_response, sse_chunk, sse_usage_chunk
+from mooncake_server.api.responses import ResponseWriter
 from mooncake_server.api.schema import completion_openapi
 from mooncake_server.api.security import ApiGuard
 from mooncake_server.wire.jobs import SamplingParams
@@ -118,6 +120,7 @@ class OpenAIService:
         self.eos_token_ids = list(eos_token_ids)
         self.limits = limits or RequestLimits()
         self.log_prompts = log_prompts
+        self.writer = ResponseWriter(model_name, LogprobFormatter(tokenizer))
 
     def models(self) -> ModelList:
         """GET /v1/models."""
@@ -155,7 +158,7 @@ class OpenAIService:
         finally:
             await gen.close()
         gen.report(200)
-        return JSONResponse(full_response(gen, self.model_name, chat).model_dump(mode="json"))
+        return JSONResponse(self.writer.full_response(gen, chat).model_dump(mode="json"))
 
     @staticmethod
     def _log_unexpected(endpoint: str, exc: BaseException) -> None:
@@ -182,8 +185,12 @@ class OpenAIService:
         self.limits.check_prompt(len(prompt_ids), what)
         max_tokens = self._max_tokens(len(prompt_ids), body.requested_max_tokens(), what)
         self._check_logit_rules(body, max_tokens)
+        top = body.logprobs_top()
+        echo = isinstance(body, CompletionRequest) and body.echo
         sampling = SamplingParams(
-            max_tokens=max_tokens,
+            # NOTE: max_tokens 0 (echo) still runs the prompt through the model, which then
+            # samples one token; its scores are the point, the token is dropped (generation.py).
+            max_tokens=max(1, max_tokens),
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
@@ -194,26 +201,39 @@ class OpenAIService:
             repetition_penalty=body.repetition_penalty or 1.0,
             logit_bias=body.logit_bias or {},
             min_tokens=body.min_tokens,
+            logprobs=top,
+            prompt_logprobs=top if echo else None,
+            n=body.n or 1,
         )
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if self.log_prompts:  # NOTE: opt-in only (--log-prompts): prompts are user data
             log.info("request %s prompt (%d tokens): %r", request_id, len(prompt_ids),
                      self.tokenizer.decode(prompt_ids))
         events = self.backend.generate(GenerateRequest(request_id, prompt_ids, sampling))
+        echo_text = None
+        if echo:
+            assert isinstance(body, CompletionRequest)
+            echo_text = body.prompt if isinstance(body.prompt, str) else await asyncio.to_thread(
+                self.tokenizer.decode, prompt_ids)
         gen = Generation(
             request_id=request_id,
             endpoint=endpoint,
             prompt_tokens=len(prompt_ids),
             max_tokens=max_tokens,
             events=events,
-            detok=IncrementalDetokenizer(self.tokenizer, body.stop_list(), body.min_tokens),
+            choices=[Choice(i, IncrementalDetokenizer(self.tokenizer, body.stop_list(),
+                                                      body.min_tokens))
+                     for i in range(sampling.n)],
             metrics=self.metrics,
             arrival=arrival,
             prompt_token_ids=prompt_ids,
             return_token_ids=body.return_token_ids,
+            echo_text=echo_text,
+            logprobs_top=top,
         )
         try:
             gen.pending = await _unless_disconnected(anext(events), request)
+            gen.prompt_logprobs = gen.pending.prompt_logprobs
         except StopAsyncIteration:
             await gen.close()
             raise BackendError("the backend ended the request without a token", 502) from None
@@ -260,28 +280,36 @@ class OpenAIService:
 
     @staticmethod
     async def _drain(gen: Generation) -> None:
-        while gen.finish_reason is None:
+        while not gen.finished:
             await gen.advance()
 
     async def _sse(self, gen: Generation, include_usage: bool, chat: bool) -> AsyncIterator[str]:
         """The SSE body; errors after the first byte become an error event, then [DONE]."""
         status: int | str = 200
         first = True
+        writer = self.writer
         try:
-            if chat:  # the role comes first, before any content
-                yield sse_chunk(gen, self.model_name, chat, "", first=True)
-                first = False
-            while True:
-                text = await gen.advance()
-                if gen.finish_reason is not None:
-                    yield sse_chunk(gen, self.model_name, chat, text or None, gen.finish_reason,
-                                    first=first)
-                    break
-                if text:
-                    yield sse_chunk(gen, self.model_name, chat, text, first=first)
+            for choice in gen.choices:
+                if chat:  # each choice's role comes first, before any content
+                    yield writer.sse_chunk(gen, choice, chat, "", first=first)
+                    first = False
+                elif gen.echo_text is not None:  # the prompt, then what follows it
+                    yield writer.echo_chunk(gen, choice, first)
+                    first = False
+            while not gen.finished:
+                choice, text = await gen.advance()
+                if choice.ended:
+                    continue
+                if choice.finish_reason is not None:
+                    choice.ended = True
+                    yield writer.sse_chunk(gen, choice, chat, text or None, choice.finish_reason,
+                                           first=first)
+                    first = False
+                elif text:
+                    yield writer.sse_chunk(gen, choice, chat, text, first=first)
                     first = False
             if include_usage:
-                yield sse_usage_chunk(gen, self.model_name, chat)
+                yield writer.sse_usage_chunk(gen, chat)
         except Exception as exc:
             status = "stream_error"
             if not is_expected(exc):

@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI-compatible API (requests, responses, stream chunks).
 
-Requests ignore unknown fields so newer clients keep working; fields we cannot honour (n > 1,
-non-text content parts) fail validation with a message that says so.
+Requests ignore unknown fields so newer clients keep working; fields we cannot honour (non-text
+content parts) fail validation with a message that says so.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
 )
 
 # As OpenAI: at most this many tokens in `logit_bias`.
 MAX_LOGIT_BIAS_ENTRIES = 300
+# Top alternatives per token: OpenAI's chat limit (vLLM's default --max-logprobs is 20 too).
+MAX_TOP_LOGPROBS = 20
 
 
 class _Request(BaseModel):
@@ -66,7 +69,7 @@ class _SamplingFields(_Request):
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # torch's seed range
     stop: str | list[str] | None = None
-    n: int | None = 1
+    n: int | None = Field(default=1, ge=1)  # at most --max-n (api/limits.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension: keep generating past EOS
@@ -96,13 +99,6 @@ class _SamplingFields(_Request):
                                  "it must be between -100 and 100")
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only n=1 is supported, got n={value}")
-        return value
-
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -129,6 +125,19 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    def logprobs_top(self) -> int | None:
+        """Top alternatives per output token, None when no log-probabilities are asked."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens wins over the deprecated max_tokens; None = not given."""
@@ -140,7 +149,25 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[int]
     # NOTE: the legacy completions API (and vLLM) default to 16 new tokens, unlike chat.
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only with echo: the prompt scored, nothing generated (how harnesses score choices).
+    max_tokens: int | None = Field(default=16, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+    def logprobs_top(self) -> int | None:
+        """Top alternatives per token, None when no log-probabilities are asked."""
+        return self.logprobs
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        # A batch of one (["text"] or [[ids]], what lm-eval sends) is that prompt; more than one
+        # prompt per request is not served.
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError(f"one prompt per request is supported, got {len(value)}")
+            return value[0]
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -201,6 +228,35 @@ class _Reply(BaseModel):
         return data
 
 
+class CompletionLogprobs(BaseModel):
+    """`choices[].logprobs` of /v1/completions (the legacy shape), one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: the first prompt token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)  # where each token starts in `text`
+
+
+class TopLogprob(BaseModel):
+    """An alternative token of a chat log-probability entry."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # UTF-8 bytes of `token`
+
+
+class ChatTokenLogprob(TopLogprob):
+    """One output token of a chat completion, its log-probability and the top alternatives."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """`choices[].logprobs` of /v1/chat/completions."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
 class AssistantMessage(BaseModel):
     """The generated message of a chat completion."""
 
@@ -215,7 +271,7 @@ class ChatCompletionChoice(_Reply):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None  # with return_token_ids (EOS included)
 
 
@@ -247,7 +303,7 @@ class ChatChunkChoice(_Reply):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None  # with return_token_ids: ids since the last chunk
 
 
@@ -276,7 +332,7 @@ class CompletionChoice(_Reply):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None  # with return_token_ids
 
 

@@ -1,6 +1,9 @@
 """Continuous batching: sequences join and leave between forward passes.
 
 A sequence walks: submit() -> waiting -> running (in every step until it finishes) -> finished.
+A request with n > 1 choices submits its first choice only; once that one's prompt is computed
+the others fork from it (`_fork`): they share its full prompt blocks (ref-counted here), each gets
+a copy of the partial last block, and each samples its own first token from the same logits.
 Each step packs every running sequence's next token plus, within `prefill_chunk_tokens`, chunks of
 prompts still being prefilled (colocated mode), into ONE forward pass. Block allocation and all
 bookkeeping happen on the event loop; only `ModelRunner.step` runs in the executor thread.
@@ -15,12 +18,14 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mooncake_server.engine.kv_cache import OutOfBlocks
+from mooncake_server.engine.logprobs import score_prompt_chunks, token_logprob
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
 from mooncake_server.engine.sampler import sample_token
-from mooncake_server.engine.sequence import SeqStatus, Sequence
+from mooncake_server.engine.sequence import Produced, SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,13 @@ class EngineMetrics:
         self.waiting = Gauge("mooncake_engine_waiting", "Waiting sequences", registry=registry)
         self.free_blocks = Gauge("mooncake_engine_free_kv_blocks", "Free KV blocks",
                                  registry=registry)
+        self.computed_prompt_tokens = Counter(
+            "mooncake_engine_computed_prompt_tokens", "Prompt tokens computed by forward passes",
+            registry=registry)
+        self.shared_prompt_tokens = Counter(
+            "mooncake_engine_shared_prompt_tokens",
+            "Prompt tokens an n > 1 choice took from its first choice instead of computing",
+            registry=registry)
 
 
 class EngineLoop:
@@ -66,6 +78,7 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._max_seen = 0
+        self._block_refs: dict[int, int] = {}  # blocks shared by sibling choices -> holders
         # Told every pure decode step (batch, context tokens, seconds): admission calibration.
         self.step_observer: Callable[[int, int, float], None] | None = None
 
@@ -185,28 +198,85 @@ class EngineLoop:
         if batch > self._max_seen:
             self._max_seen = batch
             self.metrics.max_batch_size.set(batch)
+        assert isinstance(logits, torch.Tensor)
+        score_prompt_chunks([(it.seq, it.num_new) for it in items], logits)
         for row, it in enumerate(items):
             seq = it.seq
+            if seq.num_computed < seq.prompt_len:
+                self.metrics.computed_prompt_tokens.inc(
+                    min(seq.num_computed + it.num_new, seq.prompt_len) - seq.num_computed)
             seq.num_computed += it.num_new
             if seq.finish_reason == "cancelled":
                 self._finish(seq)
                 continue
             if seq.num_pending > 0:
                 continue  # more prompt chunks to go
+            forks, seq.forks = seq.forks, []
+            if forks:
+                forks = self._fork(seq, forks)
+            for one in [seq, *forks]:
+                self._sample(one, logits[row], batch)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, batch: int) -> None:
+        """Sample `seq`'s next token from its row of `logits` [vocab] and hand it on."""
+        try:
+            token = sample_token(seq.next_token_logits(logits), seq.sampling, seq.generator)
+        except (RuntimeError, ValueError) as exc:  # one bad sequence must not stop the loop
+            log.exception("sampling failed for %s", seq.request_id)
+            self._finish(seq, error=f"sampling failed: {exc}")
+            return
+        top = seq.sampling.logprobs
+        logprob = None if top is None else token_logprob(logits, token, top)
+        seq.token_ids.append(token)
+        self.metrics.tokens.inc()
+        reason = seq.finish_reason_after(token)
+        seq.events.put_nowait(Produced(token, reason, batch, logprob, seq.choice))
+        if reason is not None:
+            seq.finish_reason = reason
+            self._finish(seq)
+
+    def _fork(self, lead: Sequence, forks: list[Sequence]) -> list[Sequence]:
+        """The choices still wanted, now running on `lead`'s prompt KV (its prompt is computed).
+
+        Full prompt blocks are shared (never written again: new tokens go after them); the
+        partial last block is copied, since each choice writes its own next tokens into it.
+        """
+        forks = [f for f in forks if f.status is not SeqStatus.FINISHED]
+        bt = self.kv.layout.block_tokens
+        full, partial = divmod(lead.prompt_len, bt)
+        for fork in forks:
             try:
-                token = sample_token(seq.next_token_logits(logits[row]),  # type: ignore[index]
-                                     seq.sampling, seq.generator)
-            except (RuntimeError, ValueError) as exc:  # one bad sequence must not stop the loop
-                log.exception("sampling failed for %s", seq.request_id)
-                self._finish(seq, error=f"sampling failed: {exc}")
+                own = self.kv.allocate(1) if partial else []
+            except OutOfBlocks as exc:
+                self._finish(fork, error=f"KV cache full: {exc}")
                 continue
-            seq.token_ids.append(token)
-            self.metrics.tokens.inc()
-            reason = seq.finish_reason_after(token)
-            seq.events.put_nowait((token, reason, batch))
-            if reason is not None:
-                seq.finish_reason = reason
-                self._finish(seq)
+            if own:
+                self.kv.pool[own[0]].copy_(self.kv.pool[lead.block_ids[full]])
+            fork.block_ids = lead.block_ids[:full] + own
+            fork.shared_blocks = full
+            fork.num_computed = lead.num_computed
+            fork.prompt_logprobs = lead.prompt_logprobs
+            fork.status = SeqStatus.RUNNING
+            self.running.append(fork)
+            self.metrics.shared_prompt_tokens.inc(lead.prompt_len)
+        forks = [f for f in forks if f.status is SeqStatus.RUNNING]
+        if forks and full:
+            lead.shared_blocks = full
+            for block in lead.block_ids[:full]:
+                self._block_refs[block] = self._block_refs.get(block, 1) + len(forks)
+        return forks
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        """Free the blocks `seq` holds; a shared one only once its last holder lets go."""
+        shared, own = seq.block_ids[:seq.shared_blocks], seq.block_ids[seq.shared_blocks:]
+        for block in shared:
+            refs = self._block_refs.pop(block, 1) - 1
+            if refs:
+                self._block_refs[block] = refs
+            else:
+                own.append(block)
+        self.kv.free(own)
+        seq.block_ids, seq.shared_blocks = [], 0
 
     def _finish(self, seq: Sequence, error: str | None = None) -> None:
         if seq.status is SeqStatus.FINISHED:
@@ -218,7 +288,11 @@ class EngineLoop:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq.block_ids)
-        seq.block_ids = []
+        self._release_blocks(seq)
         seq.events.put_nowait(None)
+        # Choices never forked (the first one ended before its prompt was computed) end with it.
+        forks, seq.forks = seq.forks, []
+        for fork in forks:
+            fork.finish_reason = fork.finish_reason or seq.finish_reason
+            self._finish(fork, error=seq.error or "the request's first choice ended early")
         self.metrics.free_blocks.set(self.kv.num_free)

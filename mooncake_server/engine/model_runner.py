@@ -109,6 +109,8 @@ class ModelRunner:
              on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """One packed forward pass; returns float32 logits [len(items), vocab] of each item's last token.
 
+        Then, for items whose sequence scores its prompt (echo), every row of their chunk.
+
         Every item's `seq.block_ids` must already cover `num_computed + num_new` tokens.
         `on_layer(l)` is called as soon as layer l's new K/V are written to the pool.
         """
@@ -122,6 +124,9 @@ class ModelRunner:
                  on_layer: Callable[[int], None] | None) -> torch.Tensor:
         """The pass itself, on the lean stack or HF's forward (the turn on the cores held)."""
         plan, input_ids, positions, last_rows = self._plan(items, on_layer)
+        # Prompt scoring (echo): every row of a scoring item's chunk, after the last rows.
+        last_rows += [r for it, last in zip(items, last_rows[:len(items)]) if it.seq.scores_prompt
+                      for r in range(last - it.num_new + 1, last + 1)]
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.tensor(last_rows, dtype=torch.long)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from mooncake_server.engine.sampler import LogitRules
-from mooncake_server.wire.jobs import SamplingParams
+from mooncake_server.wire.jobs import SamplingParams, TokenLogprob
 
 
 class SeqStatus(enum.Enum):
@@ -18,6 +19,16 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"  # admitted, KV not allocated yet
     RUNNING = "running"  # in the continuous batch
     FINISHED = "finished"  # EOS / length / cancelled / failed; blocks freed
+
+
+class Produced(NamedTuple):
+    """A token the engine produced for a sequence (what its `events` queue carries)."""
+
+    token_id: int
+    finish_reason: str | None
+    batch_size: int  # size of the forward pass that produced it
+    logprob: TokenLogprob | None = None  # with sampling.logprobs
+    choice: int = 0  # which of the request's n choices (queues shared by siblings)
 
 
 @dataclass
@@ -38,10 +49,18 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None
-    # Tokens the engine produced for this sequence, delivered on the event loop.
-    events: asyncio.Queue[tuple[int, str | None, int] | None] = field(default_factory=asyncio.Queue)
+    # Tokens the engine produced for this sequence, delivered on the event loop; None once it
+    # finished. Sibling choices of one request share one queue (Produced.choice tells them apart).
+    events: asyncio.Queue[Produced | None] = field(default_factory=asyncio.Queue)
     generator: torch.Generator | None = None
     logit_rules: LogitRules | None = None  # None = the model's logits are sampled as they are
+    # Prompt scoring (echo): set to [None] (the first token has no score) by whoever wants the
+    # prompt's log-probabilities; the engine appends one entry per prompt token it computes.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    choice: int = 0
+    # n > 1: the other choices, forked from this one once its prompt is computed (engine/loop.py)
+    forks: list[Sequence] = field(default_factory=list)
+    shared_blocks: int = 0  # leading block_ids shared with sibling choices (ref-counted)
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:
@@ -54,6 +73,11 @@ class Sequence:
         if self.logit_rules is None:
             return logits
         return self.logit_rules.apply(logits, self.token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """True while prompt chunks still to compute need every row's logits (echo)."""
+        return self.prompt_logprobs is not None and self.num_computed < self.prompt_len
 
     @property
     def num_generated(self) -> int:

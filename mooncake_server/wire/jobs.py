@@ -10,6 +10,12 @@ from pydantic import BaseModel, Field
 # What a prefill may reuse: its local cache only, local + the store, or nothing (recompute).
 Reuse = Literal["local", "global", "none"]
 
+# Added to a request's seed once per choice index: choice i of a seeded n > 1 request samples
+# with its own generator, so choices differ yet the same request + seed repeats them.
+_CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15
+_SEED_RANGE = 2**64
+
+
 class SamplingParams(BaseModel):
     """How to pick the next token; temperature 0 means greedy."""
 
@@ -25,6 +31,18 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(default=1.0, ge=0.01, le=2.0)
     logit_bias: dict[int, float] = Field(default_factory=dict)
     min_tokens: int = Field(default=0, ge=0)  # EOS is masked until this many tokens were produced
+    # Log-probabilities (engine/logprobs.py): None = not asked, else how many top alternatives
+    # go with each sampled token (`logprobs`) or each prompt token (`prompt_logprobs`, echo).
+    logprobs: int | None = Field(default=None, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+    n: int = Field(default=1, ge=1)  # choices sharing the prompt's KV (the prompt computed once)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` alone: n = 1, the seed derived from the request's."""
+        seed = self.seed
+        if seed is not None and index:
+            seed = (seed + index * _CHOICE_SEED_STRIDE) % _SEED_RANGE
+        return self.model_copy(update={"n": 1, "seed": seed})
 
     @property
     def greedy(self) -> bool:
@@ -37,6 +55,21 @@ class SamplingParams(BaseModel):
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0
                     or (self.min_tokens > 0 and self.eos_token_ids and not self.ignore_eos))
+
+
+class TokenLogprob(BaseModel):
+    """A token's log-probability under the model's raw distribution, with the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)  # (id, logprob), likeliest first
+
+
+class FirstToken(BaseModel):
+    """The first output token of one choice (sampled by the prefill)."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,6 +99,10 @@ class PrefillResult(BaseModel):
     block_checksums: list[int]  # CRC32C of each full block, then the tail, in key order
     prefill_seconds: float
     local_cached_tokens: int = 0  # of cached_tokens, those found in the instance's own cache
+    first_logprob: TokenLogprob | None = None  # with sampling.logprobs
+    # With sampling.prompt_logprobs (echo): one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    other_choices: list[FirstToken] = Field(default_factory=list)  # choices 1..n-1
 
 
 class PrefillCacheReport(BaseModel):
@@ -105,6 +142,8 @@ class DecodeJob(BaseModel):
     generated_token_ids: list[int] = Field(default_factory=list)
     # Namespace of the chained keys, so the decode instance can key the blocks it writes back.
     kv_namespace: str | None = None
+    # False when other choices of the request read the same tail (n > 1): the conductor drops it.
+    drop_tail: bool = True
 
 
 class DecodeReserve(BaseModel):
@@ -136,6 +175,7 @@ class DecodeEvent(BaseModel):
     # Position of the token in the output (the prefill's first token is 0): the conductor drops
     # a token it already passed on, so a moved request never repeats one.
     index: int | None = None
+    logprob: TokenLogprob | None = None  # with sampling.logprobs
 
 
 class ErrorEvent(BaseModel):

@@ -38,7 +38,10 @@ async def test_malformed_json(base_url: str) -> None:
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"model": MODEL}, "messages", "required"),
     ({**CHAT, "messages": []}, "messages", "at least 1"),
-    ({**CHAT, "n": 2}, "n", "only n=1 is supported"),
+    ({**CHAT, "n": 0}, "n", "greater than or equal to 1"),
+    ({**CHAT, "n": 9}, "n", "at most 8 choices"),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs", "requires logprobs"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal"),
     ({**CHAT, "temperature": -1}, "temperature", "greater than or equal"),
     ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
     ({**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "'user'"),
@@ -132,7 +135,7 @@ async def test_unknown_route_and_method(base_url: str) -> None:
 async def test_server_keeps_serving_after_errors(base_url: str, backend: FakeBackend,
                                                  tokenizer: Any) -> None:
     await post(base_url, "/v1/chat/completions", content=b"{")
-    await post(base_url, "/v1/chat/completions", json={**CHAT, "n": 3})
+    await post(base_url, "/v1/chat/completions", json={**CHAT, "n": 30})
     backend.fail_before_first = BackendError("boom", 503)
     await post(base_url, "/v1/chat/completions", json=CHAT)
     backend.fail_before_first = None

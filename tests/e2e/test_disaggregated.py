@@ -198,10 +198,10 @@ def test_kv_blocks_are_checksum_verified_on_read(all_cluster) -> None:
     ({"model": MODEL}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400,
      "temperature"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 9}, 400, "n"),
     ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
     ({"model": MODEL, "prompt": list(range(100, 8100)), "max_tokens": 500}, 400, None),
-], ids=["malformed-json", "missing-messages", "bad-temperature", "n-2", "unknown-model",
+], ids=["malformed-json", "missing-messages", "bad-temperature", "n-9", "unknown-model",
         "context-overflow"])
 def test_bad_input_gets_openai_error_and_server_keeps_serving(all_cluster, body, status,
                                                               param) -> None:

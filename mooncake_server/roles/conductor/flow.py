@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from mooncake_server.api.backend import GenerateRequest
 from mooncake_server.roles.conductor.scheduler.policy import Plan
 from mooncake_server.wire.instances import InstanceInfo
-from mooncake_server.wire.jobs import PrefillResult
+from mooncake_server.wire.jobs import PrefillResult, SamplingParams
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -30,6 +30,7 @@ class RequestFlow:
     move: asyncio.Event = field(default_factory=asyncio.Event)  # an operator ordered a move
     move_target: str | None = None
     refused: set[str] = field(default_factory=set)  # decode instances that refused it
+    choice: int = 0  # which of the request's n choices this flow decodes
     # Keys of every full block of the tokens computed so far: the prompt's, extended on a move.
     chain: list[str] = field(init=False)
 
@@ -40,6 +41,11 @@ class RequestFlow:
     def request_id(self) -> str:
         """The request's id."""
         return self.request.request_id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The sampling of this flow's choice (its own seed when n > 1)."""
+        return self.request.sampling.for_choice(self.choice)
 
     def serving(self) -> InstanceInfo:
         """The instance working on the request now."""

@@ -94,7 +94,8 @@ class InstanceCalls:
                 if event is None:
                     continue
                 flow.delivered.append(event.token_id)
-                yield TokenEvent(event.token_id, event.finish_reason)
+                yield TokenEvent(event.token_id, event.finish_reason, logprob=event.logprob,
+                                 choice=flow.choice)
                 if event.finish_reason is not None:
                     return
         finally:

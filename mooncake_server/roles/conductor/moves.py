@@ -152,7 +152,8 @@ class RequestMoves:
                         prompt_token_ids=flow.request.prompt_token_ids,
                         first_token=result.first_token, block_keys=flow.keys,
                         tail_key=result.tail_key, block_checksums=result.block_checksums,
-                        sampling=flow.request.sampling, kv_namespace=self._namespace)
+                        sampling=flow.sampling, kv_namespace=self._namespace,
+                        drop_tail=flow.request.sampling.n == 1)
         if not flow.delivered:
             return job
         prompt = flow.request.prompt_token_ids

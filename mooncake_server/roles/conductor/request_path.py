@@ -11,6 +11,11 @@ A request walks, in order (each step one method below):
     fault; the prompt's KV lands in the store) -> first token yielded ->
   decoding (`RequestMoves.decode`: the decode instance's NDJSON stream, moved on a fault or an
     ordered migration) -> finished.
+With n > 1 choices the prompt is prefilled once (the prefill samples every choice's first
+token); then each choice decodes as its own flow on the stored prompt KV, their tokens merged
+into one stream. Choice 0 is the request's own flow (reservation, migration); the others are
+admitted by a decode instance when their job arrives, and the partial tail block they all read
+is removed by the conductor at the end instead of by the first decode instance to load it.
 Whatever the outcome, the end releases what the request held: the scheduler's ledger entry, an
 unclaimed decode reservation, and the partial tail block if no decode instance took it.
 """
@@ -18,6 +23,7 @@ unclaimed decode reservation, and the partial tail block if no decode instance t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import aclosing
@@ -79,19 +85,42 @@ class RequestPath:
             await self._reserve_decode(flow)
             flow.result = await self._moves.prefill(flow, self._calls.prefill)
             self.scheduler.first_token(rid)
-            first, cached = flow.result.first_token, flow.result.cached_tokens
-            finish = self._finish_at_first(request, first)
-            if finish is not None:  # no decode instance will read the tail (`_end` drops it)
-                yield TokenEvent(first, finish, cached_tokens=cached)
-                return
-            yield TokenEvent(first, None, cached_tokens=cached)
-            # NOTE: aclosing, so closing this generator closes the decode stream now, not at GC.
-            async with aclosing(self._moves.decode(flow, self._calls.decode)) as events:
+            choices = [flow] + [self._choice_flow(flow, i) for i in range(1, request.sampling.n)]
+            streams = [self._decode_choice(one, rid) for one in choices]
+            # NOTE: aclosing, so closing this generator closes the decode streams now, not at GC.
+            async with aclosing(streams[0] if len(streams) == 1 else merged(streams)) as events:
                 async for event in events:
-                    self.scheduler.token(rid)
                     yield event
         finally:
             await self._end(flow)
+
+    @staticmethod
+    def _choice_flow(flow: RequestFlow, index: int) -> RequestFlow:
+        """Choice `index` > 0 of a prefilled request: the same prompt KV, its own first token."""
+        assert flow.result is not None
+        first = flow.result.other_choices[index - 1]
+        request = dataclasses.replace(flow.request, request_id=f"{flow.request_id}/{index}")
+        result = flow.result.model_copy(update={"first_token": first.token_id,
+                                                "first_logprob": first.logprob})
+        return RequestFlow(request, flow.keys, flow.plan, result=result, choice=index)
+
+    async def _decode_choice(self, flow: RequestFlow, rid: str) -> AsyncIterator[TokenEvent]:
+        """One choice's tokens: its first (from the prefill), then its decode stream; the
+        scheduler counts them for request `rid`."""
+        result = flow.result
+        assert result is not None
+        first = result.first_token
+        finish = self._finish_at_first(flow.request, first)
+        lead = flow.choice == 0
+        yield TokenEvent(first, finish, cached_tokens=result.cached_tokens if lead else 0,
+                         logprob=result.first_logprob, choice=flow.choice,
+                         prompt_logprobs=result.prompt_logprobs if lead else None)
+        if finish is not None:  # no decode instance will read the tail (`_end` drops it)
+            return
+        async with aclosing(self._moves.decode(flow, self._calls.decode)) as events:
+            async for event in events:
+                self.scheduler.token(rid)
+                yield event
 
     async def _plan(self, request: GenerateRequest) -> RequestFlow:
         """Keys, then the scheduler's plan; 503 if a role has no live instance, 429 if the
@@ -143,7 +172,8 @@ class RequestPath:
         if flow.reserved_on is not None:
             release_decode_later(self._http, self._headers, flow.reserved_on, rid,
                                  self._background)
-        if flow.result is not None and not flow.tail_settled:
+        shared_tail = flow.request.sampling.n > 1  # the decode instances kept it (drop_tail)
+        if flow.result is not None and (shared_tail or not flow.tail_settled):
             # NOTE: in the background: a request that ended at its first token was answered
             # after this store round trip (py-spy: half the conductor's time per such request).
             self._spawn(self._calls.remove_tail(flow))
@@ -192,3 +222,33 @@ class RequestPath:
         flow.move_target = info.instance_id
         flow.move.set()
         return MigrateReply(request_id=request_id, source=source, target=info.instance_id)
+
+
+async def merged(streams: list[AsyncIterator[TokenEvent]]) -> AsyncIterator[TokenEvent]:
+    """The events of every stream as they come; the first failure ends all (closing each)."""
+    queue: asyncio.Queue[TokenEvent | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[TokenEvent]) -> None:
+        try:
+            async with aclosing(stream):  # type: ignore[type-var]
+                async for event in stream:
+                    await queue.put(event)
+            await queue.put(None)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

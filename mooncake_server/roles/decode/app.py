@@ -121,7 +121,7 @@ class DecodeService:
             self.kv.free(seq.block_ids)
             seq.block_ids = []
             raise
-        if job.tail_key:
+        if job.tail_key and job.drop_tail:
             # The tail block is private to this request: drop it from the store once we hold it.
             asyncio.create_task(self._drop_tail(job))
         # NOTE: blocks the store lost (a dead node without replicas, a refused put) are
@@ -164,9 +164,9 @@ class DecodeService:
                         self.failures.labels("engine").inc()
                         yield ErrorEvent(error=seq.error).model_dump_json().encode() + b"\n"
                     return
-                token, reason, batch = ev
-                yield DecodeEvent(token_id=token, finish_reason=reason, batch_size=batch,
-                                  index=index).model_dump_json().encode() + b"\n"
+                yield DecodeEvent(token_id=ev.token_id, finish_reason=ev.finish_reason,
+                                  batch_size=ev.batch_size, index=index,
+                                  logprob=ev.logprob).model_dump_json().encode() + b"\n"
                 index += 1
         finally:
             self.streams -= 1

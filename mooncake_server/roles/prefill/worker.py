@@ -15,6 +15,12 @@ other's whole job (forward, checksums, store writes, cache report) in turn. A pr
 a chunk runs alone, chunk by chunk; passes are sized anew each time, so they shrink to
 --decode-chunk while a decode on the same cores has work. Each layer's new K/V go to the store as soon as the layer is
 computed (--kv-write layer; `after` writes whole blocks once the forward is done; `auto` picks).
+
+A job with `sampling.n` > 1 is prefilled once; each choice's first token is sampled from the
+same logits with its own seeded generator (`other_choices`). A job that scores its prompt
+(echo: `sampling.prompt_logprobs`) reuses no cached block: the scores need every prompt row's
+logits, which a cached block does not keep, so its whole prompt is computed (and its blocks
+stored again as usual).
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.engine.core_budget import machine_cores
 from mooncake_server.engine.kv_cache import OutOfBlocks
+from mooncake_server.engine.logprobs import score_prompt_chunks, token_logprob
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
 from mooncake_server.engine.sampler import sample_token
 from mooncake_server.engine.sequence import Sequence
@@ -39,7 +47,7 @@ from mooncake_server.roles.prefill.kv_stream import LayerStream
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.store_client.kv_link import KVStoreLink
-from mooncake_server.wire.jobs import PrefillJob, PrefillResult
+from mooncake_server.wire.jobs import FirstToken, PrefillJob, PrefillResult
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +182,7 @@ class PrefillWorker:
             pending = [t for t in pending if t.seq is not None and t.seq.num_pending > 0]
             await self._answer(done)
 
-    async def _step(self, pending: list[_Task]) -> list[tuple[_Task, int]]:
+    async def _step(self, pending: list[_Task]) -> list[tuple[_Task, list[FirstToken]]]:
         """One forward pass over the oldest pending tokens, within one chunk; who completed.
 
         The chunk is sized per pass (`_chunk_tokens`): once a decode beside this prefill
@@ -204,15 +212,30 @@ class PrefillWorker:
             on_layer if streams else None)
         for stream in streams:
             stream.after_chunk()
+        score_prompt_chunks([(it.seq, it.num_new) for _, it in items], logits)
         done = []
         for row, (task, item) in enumerate(items):
             item.seq.num_computed += item.num_new
             if item.seq.num_pending == 0:
-                done.append((task, sample_token(item.seq.next_token_logits(logits[row]),
-                                                item.seq.sampling, item.seq.generator)))
+                done.append((task, self._first_tokens(task.job, item.seq, logits[row])))
         return done
 
-    async def _answer(self, done: list[tuple[_Task, int]]) -> None:
+    @staticmethod
+    def _first_tokens(job: PrefillJob, seq: Sequence, logits: torch.Tensor) -> list[FirstToken]:
+        """Each choice's first token from the prompt's last row `logits` [vocab]."""
+        adjusted = seq.next_token_logits(logits)  # NOTE: no output yet: the same for every choice
+        top = job.sampling.logprobs
+        firsts = []
+        for i in range(job.sampling.n):
+            params = job.sampling.for_choice(i)
+            generator = seq.generator if i == 0 or params.seed is None else (
+                torch.Generator().manual_seed(params.seed))
+            token = sample_token(adjusted, params, generator)
+            firsts.append(FirstToken(token_id=token, logprob=None if top is None
+                                     else token_logprob(logits, token, top)))
+        return firsts
+
+    async def _answer(self, done: list[tuple[_Task, list[FirstToken]]]) -> None:
         """Finish the completed jobs, report the cache's changes, then answer their callers."""
         if not done:
             return
@@ -264,7 +287,11 @@ class PrefillWorker:
                        self.max_model_len)
         # At least one prompt token must be computed to get logits for the first token.
         reusable = job.block_keys[:(n - 1) // bt]
-        hit = self.cache.match(reusable) if job.reuse != "none" else []
+        reuse = job.reuse
+        if job.sampling.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
+            reuse = "none"  # scoring needs every prompt row's logits (see the module docstring)
+        hit = self.cache.match(reusable) if reuse != "none" else []
         try:
             fresh = self.cache.allocate(self.kv.layout.blocks_for(n) - len(hit))
         except OutOfBlocks:
@@ -273,7 +300,7 @@ class PrefillWorker:
         seq.block_ids = hit + fresh
         task.seq, task.hit = seq, len(hit)
         fetched = 0
-        if job.reuse == "global" and len(hit) < len(reusable):
+        if reuse == "global" and len(hit) < len(reusable):
             fetched = await self._load_prefix(reusable[len(hit):], fresh)
         task.reused = len(hit) + fetched
         seq.num_computed = task.reused * bt
@@ -291,7 +318,7 @@ class PrefillWorker:
             except StoreError as exc:
                 log.warning("cannot reserve store space, writing after the forward: %s", exc)
 
-    async def _finish(self, task: _Task, first: int) -> PrefillResult:
+    async def _finish(self, task: _Task, firsts: list[FirstToken]) -> PrefillResult:
         """Checksums, the store writes committed, full blocks kept in the local cache."""
         seq, bt = task.seq, self.kv.layout.block_tokens
         assert seq is not None
@@ -308,10 +335,11 @@ class PrefillWorker:
         self.metrics.local_tokens.inc(task.hit * bt)
         elapsed = time.perf_counter() - task.started
         self.metrics.seconds.observe(elapsed)
-        return PrefillResult(request_id=task.job.request_id, first_token=first,
+        return PrefillResult(request_id=task.job.request_id, first_token=firsts[0].token_id,
                              cached_tokens=task.reused * bt, tail_key=task.tail_key,
                              block_checksums=checksums, prefill_seconds=elapsed,
-                             local_cached_tokens=task.hit * bt)
+                             local_cached_tokens=task.hit * bt, first_logprob=firsts[0].logprob,
+                             prompt_logprobs=seq.prompt_logprobs, other_choices=firsts[1:])
 
     def _streams_layers(self) -> bool:
         """--kv-write; `auto` streams layers only where copying does not slow the forward.
