@@ -62,7 +62,7 @@ def urls(tiny_model_dir: str) -> Iterator[dict[str, str]]:
                                                            conductor_url=conductor))
         _wait_healthy(conductor)
         yield {"colocated": apps.urls["colocated"], "disaggregated": conductor,
-               "prefill": apps.urls["prefill"]}
+               "prefill": apps.urls["prefill"], "decode": apps.urls["decode"]}
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +230,32 @@ def test_n_choices_share_one_prefill_and_repeat_with_the_seed(urls, mode) -> Non
     for chunk in stream(urls[mode], "/v1/completions", **body):
         per_index[chunk["index"]] += chunk.get("token_ids") or []
     assert [per_index[i] for i in range(4)] == choices
+
+
+def until(predicate: Any, timeout_s: float = 20.0) -> None:
+    """Poll `predicate` until true (AssertionError after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_n_choices_give_every_block_back(urls, mode) -> None:
+    engine = urls["colocated" if mode == "colocated" else "decode"]
+    free = metric(engine, "mooncake_engine_free_kv_blocks")
+    body = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0.8, "seed": 2, "n": 4,
+            "ignore_eos": True, "stream": True}
+    # left after a few chunks (the choices cancelled mid-decode), then served to the end
+    with httpx.stream("POST", urls[mode] + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 12:
+                break
+    until(lambda: metric(engine, "mooncake_engine_free_kv_blocks") == free)
+    stream(urls[mode], "/v1/completions", **body)
+    until(lambda: metric(engine, "mooncake_engine_free_kv_blocks") == free)
+    assert metric(engine, "mooncake_engine_running") == 0
 
 
 @pytest.mark.parametrize("mode", MODES)

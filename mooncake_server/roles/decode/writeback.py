@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -63,6 +64,8 @@ class BlockWriteBack:
         self._tracks: dict[str, _Track] = {}
         self._held: dict[int, bool] = {}  # block id -> its sequence finished (free once written)
         self._tasks: set[asyncio.Task[None]] = set()
+        # Told when a finished write frees blocks (the loop's free-blocks gauge follows).
+        self.on_free: Callable[[], None] | None = None
 
     @property
     def held_blocks(self) -> int:
@@ -123,6 +126,8 @@ class BlockWriteBack:
             done = [b for b in ids if self._held.pop(b, False)]
             if done:
                 self.kv.free(done)
+                if self.on_free is not None:
+                    self.on_free()
             self.metrics.held.set(len(self._held))
 
     async def close(self, timeout_s: float) -> None:
@@ -141,6 +146,7 @@ class WriteBackLoop(EngineLoop):
     def __init__(self, *args: object, writeback: BlockWriteBack, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.writeback = writeback
+        writeback.on_free = lambda: self.metrics.free_blocks.set(self.kv.num_free)
 
     def _postprocess(self, items: list[StepItem], logits: object) -> None:
         super()._postprocess(items, logits)
