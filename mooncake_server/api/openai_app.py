@@ -3,8 +3,9 @@
 A request walks: parse + validate -> tokenize (worker thread) -> length check -> backend.generate
 -> wait for the first token (racing a client disconnect; failures here are plain HTTP errors) ->
 JSON body, or SSE chunks ending in `data: [DONE]`. With n > 1 the backend computes the prompt
-once and streams every choice's tokens (each chunk names its choice by `index`). Whatever ends it (EOS, length, stop string,
-client gone, backend failure), the backend iterator is closed so the request's resources go.
+once and streams every choice's tokens (each chunk names its choice by `index`). Whatever ends
+it (EOS, length, stop string, client gone, backend failure), the backend iterator is closed so
+the request's resources go.
 """
 
 from __future__ import annotations
