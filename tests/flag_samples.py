@@ -45,6 +45,7 @@ NON_DEFAULT: dict[str, Any] = {
     "max_tokens_limit": 64,
     "max_stop_sequences": 2,
     "max_stop_chars": 16,
+    "max_n": 4,
     "log_prompts": True,
     "heartbeat_interval_s": 0.5,
     "heartbeat_timeout_s": 2.5,
