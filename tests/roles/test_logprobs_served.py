@@ -112,8 +112,14 @@ def output_logprobs_match(hf, prompt: list[int], output: list[int],
 
 @pytest.mark.parametrize("mode", MODES)
 def test_completion_logprobs_are_hf_log_softmax(urls, hf, mode) -> None:
-    out = post(urls[mode], "/v1/completions", prompt=PROMPT, max_tokens=8, temperature=0,
-               logprobs=5, return_token_ids=True)
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 5,
+            "return_token_ids": True}
+    cold = post(urls[mode], "/v1/completions", **body)
+    out = post(urls[mode], "/v1/completions", **body)  # disaggregated: over a cached prefix
+    if mode == "disaggregated":
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    assert choice_of(cold)["logprobs"]["token_logprobs"] == pytest.approx(
+        choice_of(out)["logprobs"]["token_logprobs"], abs=TOL)
     choice = choice_of(out)
     lp = choice["logprobs"]
     output_logprobs_match(hf, PROMPT, choice["token_ids"], lp["token_logprobs"])
