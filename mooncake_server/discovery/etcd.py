@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -49,7 +49,8 @@ class EtcdSettings:
     cert: str | None = None
     key: str | None = None
     user: str | None = None
-    password: str = ""
+    password: str = field(default="", repr=False)
+    secret: str = field(default="", repr=False)  # the cluster secret: seals every value
     call_timeout_s: float = 2.0
 
     @classmethod
@@ -59,7 +60,7 @@ class EtcdSettings:
             return None
         return cls(config.etcd_targets, config.etcd_prefix, config.etcd_lease_ttl_s,
                    config.etcd_ca_cert, config.etcd_cert, config.etcd_key, config.etcd_user,
-                   config.etcd_password)
+                   config.etcd_password, config.cluster_secret)
 
     def instance_key(self, role: str, instance_id: str) -> str:
         """Key of one instance's InstanceInfo."""
@@ -149,6 +150,10 @@ class EtcdSession:
     async def _call(self, coro: Any) -> Any:
         try:
             return await asyncio.wait_for(coro, self._timeout)
+        except self._lib.EtcdUnauthenticatedError as exc:
+            if self.settings.user:  # NOTE: the token expired: a fresh one for the retry
+                await self._authenticate()
+            raise EtcdUnavailable(repr(exc)) from None
         except (TimeoutError, self._lib.EtcdError) as exc:
             raise EtcdUnavailable(repr(exc)) from None
         except Exception as exc:

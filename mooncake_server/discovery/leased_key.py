@@ -13,6 +13,7 @@ import logging
 import time
 
 from mooncake_server.discovery.etcd import EtcdSession, EtcdUnavailable
+from mooncake_server.discovery.sealed import seal
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +22,10 @@ class LeasedKey:
     """Keeps `key` = `value` in etcd under a lease of `ttl_s` for as long as it runs."""
 
     def __init__(self, session: EtcdSession, key: str, value: bytes, ttl_s: int) -> None:
+        """`value` is stored sealed with the cluster secret (sealed.py)."""
         self._session = session
         self.key = key
-        self._value = value
+        self._value = seal(session.settings.secret, key, value)
         self._ttl_s = ttl_s
         self._lease: int | None = None
         self._task: asyncio.Task[None] | None = None

@@ -3,7 +3,8 @@
 The view walks: listed (`on_sync(all items)`) -> watched (`on_put` / `on_delete` per change)
 -> ... If the watch ends (a compacted revision) or etcd fails, the view is kept as it is and
 the prefix is listed again once etcd answers, so a change missed meanwhile is caught by the next
-`on_sync`. Callbacks run on the event loop and must not block.
+`on_sync`. Callbacks run on the event loop and must not block. They see only values sealed
+with the cluster secret (sealed.py), unsealed; any other value counts as no key at all.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from mooncake_server.discovery.etcd import PUT, EtcdSession, EtcdUnavailable
+from mooncake_server.discovery.sealed import unseal
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,12 @@ class PrefixWatch:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
+    def _unseal(self, key: str, raw: bytes) -> bytes | None:
+        value = unseal(self._session.settings.secret, key, raw)
+        if value is None:
+            log.warning("ignoring etcd key %s: not sealed with this cluster's secret", key)
+        return value
+
     async def _run(self) -> None:
         while True:
             try:
@@ -59,14 +67,17 @@ class PrefixWatch:
                 log.debug("listing %s failed: %s", self.prefix, exc)
                 await asyncio.sleep(self._retry_s)
                 continue
-            self._on_sync(listing.items)
+            self._on_sync({k: v for k, raw in listing.items.items()
+                           if (v := self._unseal(k, raw)) is not None})
             self.syncs += 1
             self._synced.set()
             try:
                 async for batch in self._session.watch(self.prefix, listing.revision + 1):
                     for event in batch:
-                        if event.kind == PUT:
-                            self._on_put(event.key, event.value)
+                        value = self._unseal(event.key, event.value) if event.kind == PUT \
+                            else None
+                        if value is not None:
+                            self._on_put(event.key, value)
                         else:
                             self._on_delete(event.key)
             except EtcdUnavailable as exc:

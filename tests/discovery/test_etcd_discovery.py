@@ -11,8 +11,9 @@ import pytest
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.discovery.conductors import ConductorSet
-from mooncake_server.discovery.etcd import EtcdSession, EtcdSettings
+from mooncake_server.discovery.etcd import EtcdSession, EtcdSettings, EtcdUnavailable
 from mooncake_server.discovery.leased_key import LeasedKey
+from mooncake_server.discovery.sealed import seal
 from mooncake_server.roles.conductor.etcd_feed import RegistryFeed
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.wire.instances import ConductorInfo, InstanceInfo
@@ -73,8 +74,9 @@ async def test_registry_follows_leases_in_and_out(etcd: EtcdProc) -> None:
 
         # A killed process renews nothing: its key expires with the lease, and it is dropped.
         lease = await instance.grant(TTL)
-        await instance.put(settings(etcd).instance_key("decode", "d-killed"),
-                           decode("d-killed").model_dump_json().encode(), lease)
+        key = settings(etcd).instance_key("decode", "d-killed")
+        await instance.put(key, seal("", key, decode("d-killed").model_dump_json().encode()),
+                           lease)
         await until(lambda: registry.get("d-killed") is not None, 5, "d-killed seen")
         killed_at = time.monotonic()
         await until(lambda: registry.get("d-killed") is None, TTL + 3, "expired lease dropped")
@@ -145,3 +147,59 @@ def test_etcd_flags_are_checked_at_the_edge() -> None:
                       ({}, "--conductor-url")):
         with pytest.raises(ValueError, match=flag):
             ServerConfig(role="decode", **bad)
+
+
+async def test_a_member_not_sealed_with_the_cluster_secret_is_ignored(etcd: EtcdProc) -> None:
+    secret = "cluster-secret"
+    sealed = EtcdSettings((("127.0.0.1", etcd.client_port),), "/test/", TTL, secret=secret)
+    registry = InstanceRegistry(heartbeat_timeout_s=30)
+    feed = RegistryFeed(sealed, registry, ConductorInfo(conductor_id="c1", url="http://c1:1"))
+    await feed.start()
+    writer = EtcdSession(sealed)
+    await writer.connect()
+    try:
+        forged = decode("forged").model_dump_json().encode()
+        await writer.put(sealed.instance_key("decode", "forged"), forged)  # etcd access only
+        wrong = EtcdSettings(sealed.targets, "/test/", TTL, secret="another-secret")
+        await writer.put(sealed.instance_key("decode", "wrong"), seal(
+            wrong.secret, wrong.instance_key("decode", "wrong"),
+            decode("wrong").model_dump_json().encode()))
+        moved = seal(secret, sealed.conductor_key("c9"), decode("moved").model_dump_json()
+                     .encode())  # sealed, but for another key
+        await writer.put(sealed.instance_key("decode", "moved"), moved)
+        good = LeasedKey(writer, sealed.instance_key("decode", "good"),
+                         decode("good").model_dump_json().encode(), TTL)
+        await good.start()
+        await until(lambda: registry.get("good") is not None, 5, "the sealed member seen")
+        assert [i.instance_id for i in registry.alive("decode")] == ["good"]
+        await good.stop()
+    finally:
+        await feed.stop()
+        await writer.close()
+
+
+async def test_etcd_auth_is_passed_through(etcd: EtcdProc) -> None:
+    import etcd3aio
+
+    admin = etcd3aio.Etcd3Client([f"127.0.0.1:{etcd.client_port}"])
+    await admin.connect()
+    await admin.auth.user_add("root", "root-pass")
+    await admin.auth.user_grant_role("root", "root")
+    await admin.auth.auth_enable()
+    await admin.close()
+    base = settings(etcd)
+    with_user = EtcdSettings(base.targets, base.prefix, TTL, user="root", password="root-pass")
+    s = EtcdSession(with_user)
+    await s.connect()
+    anonymous = await session(etcd)
+    try:
+        await s.put("/test/x", b"1")
+        assert (await s.list("/test/")).items == {"/test/x": b"1"}
+        with pytest.raises(EtcdUnavailable):
+            await anonymous.list("/test/")
+        with pytest.raises(EtcdUnavailable, match="authentication failed"):
+            await EtcdSession(EtcdSettings(base.targets, base.prefix, TTL, user="root",
+                                           password="wrong")).connect()
+    finally:
+        await s.close()
+        await anonymous.close()
