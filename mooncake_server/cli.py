@@ -20,7 +20,8 @@ _CLUSTER_ROLES = ("conductor", "prefill", "decode", "store")
 # Environment variable -> setting (the only place MOONCAKE_* variables are read).
 _ENV = (("MOONCAKE_CLUSTER_SECRET", "cluster_secret"),
         ("MOONCAKE_CLUSTER_SECRET_FILE", "cluster_secret_file"),
-        ("MOONCAKE_API_KEY", "api_key"))
+        ("MOONCAKE_API_KEY", "api_key"),
+        ("MOONCAKE_ETCD_PASSWORD", "etcd_password"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -240,6 +240,30 @@ class ServerConfig:
         "conductor: seconds to wait for a live instance to move a request to (default 30)",
         (CONDUCTOR,))
 
+    # Discovery on etcd (optional): instances publish themselves under a lease, conductors
+    # watch; without --etcd the conductor's own registry is all there is (as before).
+    etcd_endpoints: str | None = _setting(
+        None, "--etcd",
+        "etcd endpoints, e.g. http://10.0.0.5:2379[,...]: instances publish, conductors watch "
+        "(default: no etcd)", (CONDUCTOR, *MEMBERS))
+    etcd_prefix: str = _setting("/mooncake/", "--etcd-prefix",
+                                "key prefix of this cluster in etcd (default /mooncake/)",
+                                (CONDUCTOR, *MEMBERS))
+    etcd_lease_ttl_s: int = _setting(
+        5, "--etcd-lease-ttl",
+        "seconds a silent process's key stays in etcd (default 5)", (CONDUCTOR, *MEMBERS))
+    etcd_ca_cert: str | None = _setting(None, "--etcd-ca-cert",
+                                        "PEM CA file: talk TLS to etcd", (CONDUCTOR, *MEMBERS))
+    etcd_cert: str | None = _setting(None, "--etcd-cert", "PEM client certificate (mTLS)",
+                                     (CONDUCTOR, *MEMBERS))
+    etcd_key: str | None = _setting(None, "--etcd-key", "PEM client key (mTLS)",
+                                    (CONDUCTOR, *MEMBERS))
+    etcd_user: str | None = _setting(None, "--etcd-user", "etcd user (auth enabled)",
+                                     (CONDUCTOR, *MEMBERS))
+    etcd_password: str = _setting(
+        "", "--etcd-password", "etcd user's password (or env MOONCAKE_ETCD_PASSWORD)",
+        (CONDUCTOR, *MEMBERS), secret=True)
+
     # Scheduling (conductor): Algorithm 1 policy, SLOs for early rejection, the cost model;
     # decode's admission control checks the TBT SLO with the same cost model.
     policy: str = _setting(
@@ -313,8 +337,26 @@ class ServerConfig:
                             ("--failover-wait", self.failover_wait_s)):
             if not value >= 0:
                 raise ValueError(f"{flag}: must not be negative (seconds), got {value}")
-        if self.role in ("prefill", "decode", "store") and not self.conductor_url:
-            raise ValueError(f"--conductor-url: required for --role {self.role}")
+        self._check_discovery()
+
+    def _check_discovery(self) -> None:
+        if (self.role in ("prefill", "decode", "store") and not self.conductor_url
+                and not self.etcd_endpoints):
+            raise ValueError(f"--conductor-url: required for --role {self.role} (or --etcd)")
+        if self.etcd_endpoints is not None:
+            self.etcd_targets  # noqa: B018 - parses (raises ValueError naming --etcd)
+        if not self.etcd_prefix.startswith("/") or not self.etcd_prefix.endswith("/"):
+            raise ValueError(f"--etcd-prefix: must start and end with '/', got "
+                             f"{self.etcd_prefix!r}")
+        if self.etcd_lease_ttl_s < 2:
+            raise ValueError(f"--etcd-lease-ttl: must be at least 2 (seconds), got "
+                             f"{self.etcd_lease_ttl_s}")
+        if (self.etcd_cert is None) != (self.etcd_key is None):
+            raise ValueError("--etcd-cert and --etcd-key: give both or neither")
+        if self.etcd_cert is not None and self.etcd_ca_cert is None:
+            raise ValueError("--etcd-cert: needs --etcd-ca-cert (mTLS runs over TLS)")
+        if self.etcd_password and not self.etcd_user:
+            raise ValueError("--etcd-password: needs --etcd-user")
 
     def _check_scheduling(self) -> None:
         if self.policy not in POLICIES:
@@ -358,6 +400,29 @@ class ServerConfig:
     def base_url(self) -> str:
         """HTTP base URL of this role as others reach it."""
         return f"http://{self.public_host}:{self.port}"
+
+    @property
+    def conductor_urls(self) -> tuple[str, ...]:
+        """The conductors named by --conductor-url (a comma-separated list is allowed)."""
+        text = self.conductor_url or ""
+        return tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
+
+    @property
+    def etcd_targets(self) -> tuple[tuple[str, int], ...]:
+        """(host, port) of each --etcd endpoint; empty without --etcd."""
+        targets = []
+        for word in (self.etcd_endpoints or "").split(","):
+            word = word.strip()
+            if not word:
+                continue
+            hostport = word.split("://", 1)[-1].rstrip("/")
+            host, _, port = hostport.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--etcd: expected http://HOST:PORT[,...], got {word!r}")
+            targets.append((host.strip("[]"), int(port)))
+        if self.etcd_endpoints is not None and not targets:
+            raise ValueError("--etcd: no endpoint given")
+        return tuple(targets)
 
     @property
     def secret_bytes(self) -> bytes:

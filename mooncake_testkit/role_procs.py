@@ -154,6 +154,10 @@ class RoleCluster:
     secret: str = field(default_factory=lambda: secrets.token_hex(16))
     procs: dict[str, RoleProc] = field(default_factory=dict)
     conductor_url: str = ""  # set by `add("conductor", ...)`, or given: join that conductor
+    # With etcd: every role gets `--etcd`, instances find the conductors there (none is named
+    # to them), and any number of conductors may be added.
+    etcd_url: str = ""
+    conductor_urls: list[str] = field(default_factory=list)  # every conductor added, in order
 
     @property
     def headers(self) -> dict[str, str]:
@@ -169,7 +173,7 @@ class RoleCluster:
         It listens on `host` (inside `netns` if given); others reach it at `advertise` (else
         `host`).
         """
-        if role != "conductor" and not self.conductor_url:
+        if role != "conductor" and not self.conductor_url and not self.etcd_url:
             raise ValueError("add the conductor first")
         port = port or free_port_block(1)
         reach = advertise or host
@@ -177,10 +181,15 @@ class RoleCluster:
                 "--port", str(port), "--dtype", "float32", *self.common, *extra]
         if advertise:
             argv += ["--advertise-host", advertise]
+        if self.etcd_url:
+            argv += ["--etcd", self.etcd_url]
         if role == "conductor":
-            self.conductor_url = f"http://{reach}:{port}"
+            self.conductor_urls.append(f"http://{reach}:{port}")
+            self.conductor_url = self.conductor_url or self.conductor_urls[0]
         else:
-            argv += ["--conductor-url", self.conductor_url, "--instance-id", name]
+            argv += ["--instance-id", name]
+            if not self.etcd_url:
+                argv += ["--conductor-url", self.conductor_url]
         env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": self.secret}
         log = self.log_dir / f"{name}.log" if self.log_dir else None
         proc = RoleProc(role, name, reach, port, argv, env, log, netns)
@@ -205,9 +214,11 @@ class RoleCluster:
                              timeout_s)
         return self
 
-    def instances(self) -> list[dict[str, Any]]:
-        """The conductor's view of every instance (GET /internal/instances)."""
-        r = httpx.get(self.url + "/internal/instances", headers=self.headers, timeout=5)
+    def instances(self, conductor: str | None = None) -> list[dict[str, Any]]:
+        """A conductor's view of every instance (GET /internal/instances); the first
+        conductor's unless `conductor` (a base URL) is given."""
+        r = httpx.get((conductor or self.url) + "/internal/instances", headers=self.headers,
+                      timeout=5)
         r.raise_for_status()
         return list(r.json())
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything mooncake-server needs on a fresh machine, idempotently:
 #   a virtualenv in .venv, CPU torch, the package (building native/), the bundled default model
-#   converted to safetensors, and (with --test) the test tools.
+#   converted to safetensors, and (with --test) the test tools (etcd and its client included).
 # Usage: scripts/setup.sh [--test]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +23,8 @@ if [ "$WITH_TEST" = 1 ]; then
   # RDMA transport headers: the engine compiles its libibverbs path where they exist (and the
   # tests check both builds); brings libibverbs1, which Mooncake's wheel needs for the benchmark
   [ -f /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev)
+  # --etcd discovery: the tests start a real etcd on a loopback port
+  command -v etcd >/dev/null || need_apt+=(etcd-server)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
@@ -47,7 +49,7 @@ if ! "$VPY" -c 'import torch' 2>/dev/null; then
   "$VPY" -m pip install -q torch==2.13.0 2>&1 | grep -v '^WARNING: Location' >&2 || true
 fi
 extras=""
-[ "$WITH_TEST" = 1 ] && extras="[test]"
+[ "$WITH_TEST" = 1 ] && extras="[test,etcd]"
 say "installing mooncake-server$extras (builds native/)"
 "$VPY" -m pip install -q -e ".$extras" 2>&1 | grep -v '^WARNING: Location' >&2 || true
 "$VPY" -c 'import mooncake_server.transfer' || { say "native extension failed to build"; exit 1; }

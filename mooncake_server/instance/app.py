@@ -4,7 +4,9 @@ Its lifespan walks: the role's `start` hook (which builds what the role runs, pu
 clean-up on the exit stack as it goes, and calls `Starting.join` to register with the conductor)
 -> serving -> the exit stack unwinds in reverse: deregistration first (pushed last), then the
 role's own pieces, the transfer engine last. `join` also installs the SIGTERM drain
-(instance/drain.py): tell the conductor to send nothing new, then wait while the role is busy.
+(instance/drain.py): tell the conductors to send nothing new, then wait while the role is busy.
+`cluster()` is what the role's pieces share to find conductors: --conductor-url, plus with
+--etcd every conductor etcd names (instance/membership.py).
 Every instance answers GET /health (liveness, open) and GET /metrics (its Prometheus registry).
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Response
@@ -21,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.instance.drain import wait_until_idle
-from mooncake_server.instance.registrar import Registrar
+from mooncake_server.instance.membership import Cluster, Membership
 from mooncake_server.wire.auth import metrics_response
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 
@@ -35,23 +37,33 @@ class Starting:
     config: ServerConfig
     app: FastAPI
     stack: AsyncExitStack
+    _cluster: Cluster | None = field(default=None, repr=False)
+
+    async def cluster(self) -> Cluster:
+        """The conductors (and etcd session) of this instance, started on first use and
+        stopped at shutdown."""
+        if self._cluster is None:
+            self._cluster = Cluster(self.config)
+            await self._cluster.start()
+            self.stack.push_async_callback(self._cluster.stop)
+        return self._cluster
 
     async def join(self, info: InstanceInfo, busy: Callable[[], bool], what: str,
-                   load: Callable[[], Heartbeat] | None = None) -> Registrar:
-        """Register with the conductor (heartbeats carry `load()`), deregister at shutdown, and
-        drain on SIGTERM until `busy()` is False (at most --drain-timeout; `what` names it)."""
+                   load: Callable[[], Heartbeat] | None = None) -> Membership:
+        """Publish in etcd (--etcd) and register with the conductors (heartbeats carry
+        `load()`), leave at shutdown, and drain on SIGTERM until `busy()` is False (at most
+        --drain-timeout; `what` names it)."""
         config = self.config
-        registrar = Registrar(config.conductor_url or "", info, config.cluster_secret,
-                              config.heartbeat_interval_s, load=load)
-        await registrar.start()
-        self.stack.push_async_callback(registrar.stop)
+        membership = Membership(config, await self.cluster(), info, load=load)
+        await membership.start()
+        self.stack.push_async_callback(membership.stop)
 
         async def drain() -> None:
-            await registrar.drain()
+            await membership.drain()
             await wait_until_idle(busy, config.drain_timeout_s, what)
 
         self.app.state.drain = drain
-        return registrar
+        return membership
 
 
 StartHook = Callable[[Starting], Awaitable[None]]

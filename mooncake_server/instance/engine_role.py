@@ -73,7 +73,7 @@ async def start_engine(starting: Starting, name: str) -> EngineParts:
     stack.callback(executor.shutdown, wait=True)
     http = internal_client(config)
     stack.push_async_callback(http.aclose)
-    link = KVStoreLink(runner.kv, engine, http, config.cluster_secret,
-                       config.conductor_url or "")
+    conductors = (await starting.cluster()).conductors
+    link = KVStoreLink(runner.kv, engine, http, config.cluster_secret, conductors.current)
     stack.push_async_callback(link.aclose)
     return EngineParts(engine, executor, runner, info, http, link)

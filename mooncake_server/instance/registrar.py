@@ -74,20 +74,22 @@ class Registrar:
         self._task = asyncio.create_task(
             self._heartbeat_forever(), name=f"heartbeat-{self.info.instance_id}")
 
-    async def stop(self) -> None:
-        """Stop heartbeating and tell the conductor we are leaving (best effort)."""
+    async def stop(self, *, leaving: bool = True) -> None:
+        """Stop heartbeating and tell the conductor we are leaving (best effort; `leaving`
+        False: say nothing, e.g. to a conductor that is gone)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if self._http is None:
             return
-        try:
-            await send(self._http, self.conductor_url, DEREGISTER,
-                       Deregister(instance_id=self.info.instance_id), headers=self._headers,
-                       timeout=1.0)
-        except CallError as exc:
-            log.debug("deregistration of %s failed: %s", self.info.instance_id, exc)
+        if leaving:
+            try:
+                await send(self._http, self.conductor_url, DEREGISTER,
+                           Deregister(instance_id=self.info.instance_id), headers=self._headers,
+                           timeout=1.0)
+            except CallError as exc:
+                log.debug("deregistration of %s failed: %s", self.info.instance_id, exc)
         if self._own_http:
             await self._http.aclose()
             self._http = None

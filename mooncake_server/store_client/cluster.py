@@ -50,10 +50,12 @@ class StoreUnavailable(StoreError):
 class StoreCluster:
     """Every store node as one object store, steered by the conductor's global index."""
 
-    def __init__(self, master_url: str, engine: TransferEngine, http: httpx.AsyncClient,
-                 secret: str, *, clock: Callable[[], float] = time.monotonic) -> None:
-        """Ask the index at `master_url` (the conductor); `engine` and `http` are the caller's."""
-        self._master = master_url
+    def __init__(self, master_url: str | Callable[[], str], engine: TransferEngine,
+                 http: httpx.AsyncClient, secret: str, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Ask the index at `master_url` (the conductor; a callable: the one to ask now, as
+        conductors come and go); `engine` and `http` are the caller's."""
+        self._master = master_url if callable(master_url) else (lambda: master_url)
         self._engine = engine
         self._http = http
         self._secret = secret
@@ -203,7 +205,7 @@ class StoreCluster:
         """One call to the index; StoreError unless it answers (an invalid reply stays a
         ValueError, as a bug on either side)."""
         try:
-            return await call(self._http, self._master, route, body, headers=self._headers)
+            return await call(self._http, self._master(), route, body, headers=self._headers)
         except PeerRefused as exc:
             raise StoreError(f"store index {route.path} failed: HTTP {exc.status}: "
                              f"{exc.body}") from exc

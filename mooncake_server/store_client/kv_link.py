@@ -4,6 +4,7 @@ engine, placement and replicas from the conductor's global store index)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import httpx
 
@@ -18,8 +19,9 @@ class KVStoreLink:
     """One role's view of the store: the cluster client, block addresses, checksums."""
 
     def __init__(self, kv: PagedKVCache, engine: TransferEngine, http: httpx.AsyncClient,
-                 secret: str, master_url: str) -> None:
-        """Blocks of `kv`; `master_url` is the conductor holding the global store index."""
+                 secret: str, master_url: str | Callable[[], str]) -> None:
+        """Blocks of `kv`; `master_url` is (or names, when called) the conductor holding the
+        global store index."""
         self.kv = kv
         self.engine = engine
         self.cluster = StoreCluster(master_url, engine, http, secret)

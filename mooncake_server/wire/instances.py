@@ -23,6 +23,13 @@ class InstanceInfo(BaseModel):
     incarnation: str | None = None
 
 
+class ConductorInfo(BaseModel):
+    """What a conductor publishes about itself in etcd (--etcd): instances join each one."""
+
+    conductor_id: str
+    url: str  # HTTP base URL (registration, heartbeats, store index reports)
+
+
 class Heartbeat(BaseModel):
     """Periodic liveness and load report."""
 

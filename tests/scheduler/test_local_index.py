@@ -71,12 +71,13 @@ async def test_a_failed_report_is_not_lost() -> None:
     index = LocalCacheIndex()
     local = cache()
     async with conductor(index) as http:
-        reporter = CacheReporter("http://c", "p1", SECRET, local, http)
+        base = ["http://c"]
+        reporter = CacheReporter(lambda: base[0], "p1", SECRET, local, http)
         assert await reporter.flush()
         job(local, ["a"])
-        reporter._url = "http://c/nowhere"  # the conductor answers 404 once
+        base[0] = "http://c/nowhere"  # the conductor answers 404 once
         assert not await reporter.flush()
-        reporter._url = "http://c/internal/prefill-cache/report"
+        base[0] = "http://c"
         assert await reporter.flush()
         assert index.prefix("p1", ["a"]) == 1
 

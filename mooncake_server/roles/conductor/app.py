@@ -6,6 +6,9 @@ prefill job, decode stream, moves on faults) -> tokens streamed back.
 Instances join through POST /internal/register and stay picked while their heartbeats arrive.
 Store nodes also report what they hold to the global store index (/internal/store/*), which
 engine roles ask where blocks live and where new ones go.
+With --etcd, any number of conductors run side by side: each publishes itself in etcd and
+mirrors the instances published there into its own registry (etcd_feed.py); instances register,
+heartbeat and report to every one of them, so each keeps a full view of its own.
 The conductor loads only the tokenizer and model config, never the weights.
 """
 
@@ -30,7 +33,9 @@ from mooncake_server.api.metrics import ApiMetrics
 from mooncake_server.api.openai_app import create_api_router, install_api_guard
 from mooncake_server.api.prompts import load_eos_token_ids
 from mooncake_server.config import ServerConfig
+from mooncake_server.discovery.etcd import EtcdSettings
 from mooncake_server.model_assets import resolve_model, served_name
+from mooncake_server.roles.conductor.etcd_feed import EtcdCollector, RegistryFeed
 from mooncake_server.roles.conductor.operator_routes import MovesCollector, operator_router
 from mooncake_server.roles.conductor.registry import (
     INSTANCE_ROLES,
@@ -51,6 +56,7 @@ from mooncake_server.roles.conductor.store_index.master import (
     serve_index_channel,
 )
 from mooncake_server.wire.auth import metrics_response
+from mooncake_server.wire.instances import ConductorInfo
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +116,13 @@ class Conductor:
         self.api_metrics = ApiMetrics(self.prom)
         self.limits = RequestLimits.from_config(config)
         self.path: RequestPath | None = None
+        self.feed: RegistryFeed | None = None
+        settings = EtcdSettings.from_config(config)
+        if settings is not None:
+            me = ConductorInfo(conductor_id=f"conductor@{config.public_host}:{config.port}",
+                               url=config.base_url)
+            self.feed = RegistryFeed(settings, self.registry, me)
+            self.prom.register(EtcdCollector(self.feed))
         for collector in (_InstancesCollector(self.registry), MasterCollector(self.store_master),
                           SchedulerCollector(self.scheduler), MovesCollector(self.current_path)):
             self.prom.register(collector)
@@ -130,6 +143,8 @@ class Conductor:
             async with self._serve_api(app):
                 yield
         finally:
+            if self.feed is not None:
+                await self.feed.stop()
             await channel.close()
 
     @asynccontextmanager
@@ -158,6 +173,10 @@ class Conductor:
                 eos_token_ids=eos_ids, metrics=self.api_metrics, limits=self.limits,
                 log_prompts=config.log_prompts))
             api_routes = [r for r in app.router.routes if r not in before]
+            if self.feed is not None:
+                # NOTE: last before serving: the instances etcd knows are registered, and this
+                # conductor is published only now that it is about to listen for them.
+                await self.feed.start()
             log.info("conductor serving %s (max_model_len %d) on %s", model_name,
                      max_model_len, config.base_url)
             try:
@@ -175,7 +194,11 @@ class Conductor:
         """200 once a prefill, a decode and a store instance are alive; else 503."""
         counts = self.registry.counts()
         ok = all(counts[role] > 0 for role in INSTANCE_ROLES)
-        body = {"status": "ok" if ok else "waiting for instances", "instances": counts}
+        body: dict[str, Any] = {"status": "ok" if ok else "waiting for instances",
+                                "instances": counts}
+        if self.feed is not None:  # NOTE: etcd lost is no failure: the view held is served
+            body["etcd"] = "connected" if self.feed.connected else "unreachable (serving the " \
+                "instances known)"
         return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -59,6 +59,10 @@ class InstanceRegistry:
         self._entries: dict[str, _Entry] = {}
         self._next: dict[str, int] = {role: 0 for role in INSTANCE_ROLES}
         self._on_register: list[Callable[[InstanceInfo], None]] = []
+        # NOTE: the sweep for long-silent instances walks every entry, so it runs at most this
+        # often, not on every heartbeat (N instances beating each second would cost O(N^2)).
+        self._sweep_every_s = min(1.0, self.forget_after_s / 10)
+        self._next_sweep = -math.inf
 
     def on_register(self, listener: Callable[[InstanceInfo], None]) -> None:
         """Call `listener` with every (re-)registration."""
@@ -170,6 +174,9 @@ class InstanceRegistry:
     def _forget_stale(self) -> None:
         # Long-silent instances are dropped so the table cannot grow without bound.
         now = self._clock()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + self._sweep_every_s
         for instance_id in [i for i, e in self._entries.items()
                             if now - e.last_seen > self.forget_after_s]:
             log.info("forgetting silent instance %s", instance_id)

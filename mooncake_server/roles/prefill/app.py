@@ -50,7 +50,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         parts = await start_engine(starting, "prefill")
         worker = PrefillWorker(parts.runner, parts.link, parts.executor, config,
                                parts.info.max_model_len, state.metrics)
-        worker.reporter = CacheReporter(config.conductor_url or "", instance_id(config),
+        conductors = (await starting.cluster()).conductors
+        worker.reporter = CacheReporter(conductors.current, instance_id(config),
                                         config.cluster_secret, worker.cache, parts.http)
         state.worker = worker
         info = InstanceInfo(instance_id=instance_id(config), role="prefill", url=config.base_url,

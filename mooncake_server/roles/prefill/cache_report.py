@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 
 import httpx
 
@@ -23,9 +24,10 @@ log = logging.getLogger(__name__)
 class CacheReporter:
     """Posts one instance's cache changes to the conductor (PREFILL_CACHE_REPORT)."""
 
-    def __init__(self, conductor_url: str, instance_id: str, secret: str,
+    def __init__(self, conductor_url: str | Callable[[], str], instance_id: str, secret: str,
                  cache: LocalPrefixCache, http: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
-        self._url = PREFILL_CACHE_REPORT.url(conductor_url)
+        """`conductor_url`: where reports go (a callable: the conductor to report to now)."""
+        self._conductor = conductor_url if callable(conductor_url) else (lambda: conductor_url)
         self._headers = secret_headers(secret)
         self.instance_id = instance_id
         self.epoch = uuid.uuid4().hex
@@ -47,7 +49,8 @@ class CacheReporter:
                                     seq=self._seq + 1, snapshot=snapshot, added=added,
                                     removed=removed)
         try:
-            reply = await call_at(self._http, self._url, PREFILL_CACHE_REPORT, report,
+            url = PREFILL_CACHE_REPORT.url(self._conductor())
+            reply = await call_at(self._http, url, PREFILL_CACHE_REPORT, report,
                                   headers=self._headers, timeout=self._timeout)
         except CallError as exc:
             log.warning("prefix cache report failed (kept for the next one): %r", exc)

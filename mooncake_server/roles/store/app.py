@@ -34,7 +34,7 @@ from mooncake_server.roles.store.keyed import EngineKeyedReads
 from mooncake_server.roles.store.metrics import NodeCollector
 from mooncake_server.roles.store.node import StoreNode
 from mooncake_server.roles.store.objects import ObjectTable
-from mooncake_server.roles.store.reporter import IndexReporter
+from mooncake_server.roles.store.reporter import IndexReporters
 from mooncake_server.roles.store.service import Call, StoreService
 from mooncake_server.roles.store.ssd import SsdTier
 from mooncake_server.store_client.client import StoreClient, StoreError
@@ -64,7 +64,7 @@ class StoreRuntime:
     location: StoreLocation
     http: httpx.AsyncClient
     secret: str
-    reporter: IndexReporter | None = None
+    reporter: IndexReporters | None = None
 
     @property
     def table(self) -> ObjectTable:
@@ -87,7 +87,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             ssd = SsdTier(config.store_ssd_dir, config.store_ssd_capacity_bytes)
             await ssd.open()
             stack.push_async_callback(ssd.close)  # pending writes finish before exit
-        reporter: IndexReporter | None = None
+        reporter: IndexReporters | None = None
         node = StoreNode(pool, pool_addr, ssd=ssd, demote_after_s=config.store_demote_after_s,
                          high_watermark=config.store_high_watermark,
                          report=lambda entry: reporter.changed(entry) if reporter else None,
@@ -110,14 +110,14 @@ def build_app(config: ServerConfig) -> FastAPI:
         if ssd is not None:
             stack.push_async_callback(_cancel, asyncio.create_task(
                 _demote_forever(node), name="store-demoter"))
-        if config.conductor_url:
+        if config.conductor_url or config.etcd_endpoints:
             info = InstanceInfo(instance_id=instance_id, role="store", url=config.base_url,
                                 transfer_address=address, segment=SEGMENT_NAME,
                                 control_address=control)
             await starting.join(info, busy=lambda: node.stats().active_leases > 0,
                                 what="store leases")
-            reporter = IndexReporter(config.conductor_url, instance_id,
-                                     config.cluster_secret, node.snapshot)
+            reporter = IndexReporters((await starting.cluster()).conductors, instance_id,
+                                      config.cluster_secret, node.snapshot)
             runtime.reporter = reporter
             await reporter.start()
             stack.push_async_callback(reporter.stop)

@@ -7,7 +7,8 @@ each changed key, coalesced, one POST in flight at a time) -> ... A delta the ma
 so re-sending after a failed POST is harmless. Once an answer names the index's binary channel,
 reports go there (one frame each, no HTTP request on either side); if the channel fails, reports
 go over HTTP for `channel_retry_s`, then the channel is dialled again (an address this node
-cannot reach costs one failed call per period, not one per report).
+cannot reach costs one failed call per period, not one per report). `IndexReporters` runs one
+such stream per conductor (several conductors, each with its own index).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 
+from mooncake_server.discovery.conductors import ConductorSet
 from mooncake_server.wire.auth import secret_headers
 from mooncake_server.wire.index import IndexOp, StoreEntry, StoreReport, StoreReportReply
 from mooncake_server.wire.routes import INDEX_REPORT, CallError, call
@@ -170,3 +172,58 @@ class IndexReporter:
                 and asyncio.get_running_loop().time() >= self._channel_down_until):
             self._channel = RpcClient(reply.channel, self._secret, self._http.timeout.read)
         return reply
+
+
+class IndexReporters:
+    """One `IndexReporter` per conductor of `conductors`: every conductor keeps its own index,
+    so each gets this node's snapshot and every delta."""
+
+    def __init__(self, conductors: ConductorSet, node_id: str, secret: str,
+                 snapshot: Callable[[], list[StoreEntry]]) -> None:
+        self._conductors = conductors
+        self._make = lambda url: IndexReporter(url, node_id, secret, snapshot)
+        self._reporters: dict[str, IndexReporter] = {}
+        self._moves: set[asyncio.Task[None]] = set()
+
+    @property
+    def reports_sent(self) -> int:
+        """Reports accepted so far, over all conductors."""
+        return sum(r.reports_sent for r in self._reporters.values())
+
+    def reporter(self, url: str) -> IndexReporter | None:
+        """The reporter sending to conductor `url`."""
+        return self._reporters.get(url)
+
+    def changed(self, entry: StoreEntry) -> None:
+        """Queue a key's new state for every conductor."""
+        for reporter in self._reporters.values():
+            reporter.changed(entry)
+
+    async def start(self) -> None:
+        """Report to every conductor known now, and to each one that joins later."""
+        self._conductors.subscribe(self._added, self._removed)
+
+    def _added(self, url: str) -> None:
+        if url not in self._reporters:
+            reporter = self._reporters[url] = self._make(url)
+            self._track(reporter.start())
+
+    def _removed(self, url: str) -> None:
+        reporter = self._reporters.pop(url, None)
+        if reporter is not None:
+            self._track(reporter.stop())
+
+    def _track(self, step: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(step)
+        self._moves.add(task)
+        task.add_done_callback(self._moves.discard)
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until every conductor accepted everything queued so far."""
+        await asyncio.gather(*(r.flush(timeout_s) for r in list(self._reporters.values())))
+
+    async def stop(self) -> None:
+        """Stop reporting everywhere."""
+        await asyncio.gather(*list(self._moves), return_exceptions=True)
+        await asyncio.gather(*(r.stop() for r in self._reporters.values()))
+        self._reporters.clear()
