@@ -20,6 +20,8 @@ command -v gcc >/dev/null || need_apt+=(gcc)
 if [ "$WITH_TEST" = 1 ]; then
   command -v docker-compose >/dev/null || need_apt+=(docker-compose)
   command -v ip >/dev/null || need_apt+=(iproute2)
+  # tests/deploy builds deploy/kubernetes with `kubectl kustomize`
+  command -v kubectl >/dev/null || need_apt+=(kubernetes-client)
   # RDMA transport headers: the engine compiles its libibverbs path where they exist (and the
   # tests check both builds); brings libibverbs1, which Mooncake's wheel needs for the benchmark
   [ -f /usr/include/infiniband/verbs.h ] || need_apt+=(libibverbs-dev)

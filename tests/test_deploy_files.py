@@ -27,8 +27,33 @@ def test_compose_demo_validates_with_all_roles() -> None:
     res = compose_config({**os.environ, "MOONCAKE_CLUSTER_SECRET": "test-secret"})
     assert res.returncode == 0, res.stderr
     services = yaml.safe_load(res.stdout)["services"]
-    roles = [s["command"][1] for name, s in services.items() if name != "model-init"]
+    roles = [s["command"][1] for s in role_services(services).values()]
     assert sorted(roles) == ["conductor", "decode", "decode", "prefill", "prefill", "store"]
+
+
+def role_services(services: dict[str, dict]) -> dict[str, dict]:
+    """The compose services that run a mooncake-server role (not model-init, not Prometheus)."""
+    return {name: s for name, s in services.items() if "--role" in s.get("command", [])}
+
+
+def test_prometheus_scrapes_every_role_with_the_secret_where_needed() -> None:
+    res = compose_config({**os.environ, "MOONCAKE_CLUSTER_SECRET": "test-secret"})
+    assert res.returncode == 0, res.stderr
+    services = yaml.safe_load(res.stdout)["services"]
+    expected = {f"{name}:{s['command'][s['command'].index('--port') + 1]}"
+                for name, s in role_services(services).items()}
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    scraped: set[str] = set()
+    for job in prom["scrape_configs"]:
+        targets = {t for sc in job["static_configs"] for t in sc["targets"]}
+        scraped |= targets
+        # Instances' /metrics need the cluster secret; the conductor's is public.
+        assert ("authorization" in job) == (job["job_name"] != "conductor"), job["job_name"]
+    assert scraped == expected
+    # Compose v1 prints "src:dst:ro", v2 a mapping.
+    mounts = {m["target"] if isinstance(m, dict) else m.split(":")[1]
+              for m in services["prometheus"]["volumes"]}
+    assert "/etc/prometheus/mooncake.yml" in mounts
 
 
 def test_compose_refuses_to_start_without_a_cluster_secret() -> None:
