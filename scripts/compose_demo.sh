@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-role demo in Docker: conductor, 2 prefill, 2 decode, 1 store, Prometheus.
+# The multi-role demo in Docker: etcd, 2 conductors, 2 prefill, 2 decode, 1 store, Prometheus.
 #   scripts/compose_demo.sh build   # images only (base, wheelhouse, mooncake-server, prometheus)
 #   scripts/compose_demo.sh up      # build, start, wait until every instance is registered
 #   scripts/compose_demo.sh start   # the same without building (the images must exist)
@@ -10,7 +10,7 @@
 # the host (`pip wheel`: the host venv's versions, CPU torch). The base carries libibverbs1, as
 # the host's build of the native extension links it (RDMA where a NIC is passed in, else TCP).
 # Env: MOONCAKE_CLUSTER_SECRET (else a fresh one, kept in docker/.cluster-secret),
-#   MOONCAKE_PORT (8000), MOONCAKE_PROMETHEUS_PORT (9090), COMPOSE_PROJECT_NAME (mooncake-demo),
+#   MOONCAKE_PORT (8000; conductor-b: MOONCAKE_PORT_B, 8010), MOONCAKE_PROMETHEUS_PORT (9090), COMPOSE_PROJECT_NAME (mooncake-demo),
 #   MOONCAKE_DTYPE / MOONCAKE_QUANTIZATION (auto; float32 + none = exact), MOONCAKE_DEBIAN_MIRROR,
 #   PYTHON (the host venv's python, whose packages go into the image; default .venv/bin/python).
 set -euo pipefail
@@ -24,6 +24,7 @@ ROOTFS=docker/rootfs
 SECRET_FILE=docker/.cluster-secret
 BASE_TAG=mooncake-base:bookworm
 PROM_BASE_TAG=mooncake-prometheus-base:bookworm
+ETCD_TAG=mooncake-etcd:bookworm  # Debian's etcd-server, used as it is
 
 say() { printf '[compose-demo] %s\n' "$*" >&2; }
 die() { say "$*"; exit 1; }
@@ -73,8 +74,9 @@ missing: apt-get install debootstrap (as root)"
 base_images() {
   # Dockerfile defaults where a registry answers; our own debootstrapped bases where not.
   if [ -n "${MOONCAKE_BASE_IMAGE:-}" ]; then return; fi
-  if docker image inspect "$BASE_TAG" "$PROM_BASE_TAG" >/dev/null 2>&1; then
-    export MOONCAKE_BASE_IMAGE="$BASE_TAG" MOONCAKE_PROMETHEUS_BASE_IMAGE="$PROM_BASE_TAG"
+  if docker image inspect "$BASE_TAG" "$PROM_BASE_TAG" "$ETCD_TAG" >/dev/null 2>&1; then
+    export MOONCAKE_BASE_IMAGE="$BASE_TAG" MOONCAKE_PROMETHEUS_BASE_IMAGE="$PROM_BASE_TAG" \
+      MOONCAKE_ETCD_IMAGE="$ETCD_TAG"
     return
   fi
   if timeout 120 docker pull -q python:3.11-slim-bookworm >/dev/null 2>&1 \
@@ -87,7 +89,10 @@ base_images() {
     || debootstrap_image "$BASE_TAG" python3,python3-venv,ca-certificates,libibverbs1
   docker image inspect "$PROM_BASE_TAG" >/dev/null 2>&1 \
     || debootstrap_image "$PROM_BASE_TAG" prometheus,ca-certificates
-  export MOONCAKE_BASE_IMAGE="$BASE_TAG" MOONCAKE_PROMETHEUS_BASE_IMAGE="$PROM_BASE_TAG"
+  docker image inspect "$ETCD_TAG" >/dev/null 2>&1 \
+    || debootstrap_image "$ETCD_TAG" etcd-server,etcd-client
+  export MOONCAKE_BASE_IMAGE="$BASE_TAG" MOONCAKE_PROMETHEUS_BASE_IMAGE="$PROM_BASE_TAG" \
+    MOONCAKE_ETCD_IMAGE="$ETCD_TAG"
 }
 
 wheelhouse() {
@@ -100,7 +105,7 @@ wheelhouse() {
   # exactly this closure and nothing a previous run left; unchanged, the image layer stays cached.
   local fresh="$WHEELHOUSE.new"
   rm -rf "$fresh" && mkdir -p "$fresh" && rm -f "$DIST"/*.whl
-  "$VPY" -m pip wheel -q -w "$fresh" --find-links "$WHEELHOUSE" -c "$WHEELHOUSE/pins.txt" . \
+  "$VPY" -m pip wheel -q -w "$fresh" --find-links "$WHEELHOUSE" -c "$WHEELHOUSE/pins.txt" ".[etcd]" \
     2> >(grep -v '^WARNING: Location' >&2)
   mv "$fresh"/mooncake_server-*.whl "$DIST"/
   rm -f "$WHEELHOUSE"/*.whl && mv "$fresh"/*.whl "$WHEELHOUSE"/ && rmdir "$fresh"

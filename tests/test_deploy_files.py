@@ -28,7 +28,12 @@ def test_compose_demo_validates_with_all_roles() -> None:
     assert res.returncode == 0, res.stderr
     services = yaml.safe_load(res.stdout)["services"]
     roles = [s["command"][1] for s in role_services(services).values()]
-    assert sorted(roles) == ["conductor", "decode", "decode", "prefill", "prefill", "store"]
+    assert sorted(roles) == ["conductor", "conductor", "decode", "decode", "prefill", "prefill",
+                             "store"]
+    # Every role finds the others through etcd, which the roles wait for.
+    assert all("--etcd" in s["command"] for s in role_services(services).values())
+    assert "--conductor-url" not in str(services)
+    assert "etcd" in services and "healthcheck" in services["etcd"]
 
 
 def role_services(services: dict[str, dict]) -> dict[str, dict]:

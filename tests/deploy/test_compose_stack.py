@@ -115,10 +115,10 @@ def docker(*args: str) -> str:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     """The compose stack under a project name of its own, on free loopback ports."""
-    port, prom_port = free_port(), free_port()
+    port, port_b, prom_port = free_port(), free_port(), free_port()
     project = f"mooncake-test-{os.getpid()}"
     env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "MOONCAKE_PORT": str(port),
-           "MOONCAKE_PROMETHEUS_PORT": str(prom_port),
+           "MOONCAKE_PORT_B": str(port_b), "MOONCAKE_PROMETHEUS_PORT": str(prom_port),
            "MOONCAKE_CLUSTER_SECRET": secrets.token_hex(16),
            # the exact mode: greedy output then equals HF's token for token
            "MOONCAKE_DTYPE": "float32", "MOONCAKE_QUANTIZATION": "none"}

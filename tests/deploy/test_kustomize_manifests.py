@@ -84,16 +84,19 @@ def test_readiness_from_health_and_resource_requests(objects) -> None:
         assert {"cpu", "memory"} <= set(c["resources"]["requests"]), role
 
 
-def test_instances_reach_the_conductor_before_it_is_ready(objects) -> None:
-    # The conductor's /health stays 503 until instances register, so they must reach it
-    # through a Service that lists not-ready pods; clients use the one gated by readiness.
-    internal = objects[("Service", "conductor-internal")]["spec"]
-    assert internal["publishNotReadyAddresses"] is True
+def test_two_conductors_and_every_instance_find_each_other_through_etcd(objects) -> None:
+    # Instances reach every conductor through etcd (they do not need its Service, which lists
+    # a conductor only once its /health is green); clients use that Service.
+    assert objects[("Deployment", "conductor")]["spec"]["replicas"] == 2
     assert "publishNotReadyAddresses" not in objects[("Service", "conductor")]["spec"]
-    for kind, role in (("StatefulSet", "store"), ("Deployment", "prefill"),
-                       ("Deployment", "decode")):
+    for kind, role in (("Deployment", "conductor"), ("StatefulSet", "store"),
+                       ("Deployment", "prefill"), ("Deployment", "decode")):
         args = containers(objects[(kind, role)])[0]["args"]
-        assert args[args.index("--conductor-url") + 1] == "http://conductor-internal:8000"
+        assert args[args.index("--etcd") + 1] == "http://etcd:2379", role
+        assert "--conductor-url" not in args, role
+    etcd, etcd_svc = objects[("StatefulSet", "etcd")], objects[("Service", "etcd")]["spec"]
+    assert etcd_svc["clusterIP"] == "None" and etcd["spec"]["serviceName"] == "etcd"
+    assert containers(etcd)[0]["image"].startswith("quay.io/coreos/etcd:")
     store_svc = objects[("Service", "store")]["spec"]
     store = objects[("StatefulSet", "store")]
     assert store_svc["clusterIP"] == "None" and store["spec"]["serviceName"] == "store"
