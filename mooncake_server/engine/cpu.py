@@ -3,7 +3,7 @@
 Machines differ: Intel parts with AMX-BF16 run bf16 GEMMs several times faster than fp32, while
 AVX2-only parts run torch's bf16 GEMM ~100x slower than fp32. The flags decide which kernels are
 worth timing for `--dtype auto` (float32 activations and KV everywhere, so every machine's KV
-bytes agree; the linears' kernels are then measured, see linears.py).
+bytes agree; the linears' kernels are then measured, see kernel_choice.py).
 """
 
 from __future__ import annotations
