@@ -139,16 +139,18 @@ $(docker image inspect -f '{{.Size}}' mooncake-server:latest | awk '{printf "%.0
 }
 
 wait_ready() {
-  # Every instance of the compose file registered with the conductor (its /health counts).
-  local url="http://127.0.0.1:${MOONCAKE_PORT:-8000}/health" deadline=$((SECONDS + 600))
-  until python3 - "$url" <<'EOF'
+  # Every instance of the compose file known to both conductors (their /health counts).
+  local deadline=$((SECONDS + 600))
+  until python3 - "${MOONCAKE_PORT:-8000}" "${MOONCAKE_PORT_B:-8010}" <<'EOF'
 import json, sys, urllib.request
-try:
-    with urllib.request.urlopen(sys.argv[1], timeout=5) as r:
-        counts = json.load(r)["instances"]
-except Exception:
-    sys.exit(1)
-sys.exit(0 if counts == {"prefill": 2, "decode": 2, "store": 1} else 1)
+for port in sys.argv[1:]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            counts = json.load(r)["instances"]
+    except Exception:
+        sys.exit(1)
+    if counts != {"prefill": 2, "decode": 2, "store": 1}:
+        sys.exit(1)
 EOF
   do
     [ $SECONDS -lt $deadline ] || { compose logs --tail 30 >&2; die "stack not ready in 600 s"; }
@@ -158,6 +160,10 @@ EOF
 
 start() {
   cluster_secret
+  # Our debootstrapped etcd where it was built (start without build, as the tests do).
+  if [ -z "${MOONCAKE_ETCD_IMAGE:-}" ] && docker image inspect "$ETCD_TAG" >/dev/null 2>&1; then
+    export MOONCAKE_ETCD_IMAGE="$ETCD_TAG"
+  fi
   local t0=$SECONDS
   compose up -d
   wait_ready

@@ -24,10 +24,18 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from dashboard_queries import panel_queries
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "compose_demo.sh"
+
+
+def scrape_targets() -> int:
+    """How many role instances Prometheus is told to scrape (one per role service)."""
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    return sum(len(sc["targets"]) for job in prom["scrape_configs"]
+               for sc in job["static_configs"])
 MODEL = "SmolLM2-135M-Instruct"
 IMAGES = ("mooncake-server:latest", "mooncake-prometheus:latest")
 SECRET_HEADER = "X-Mooncake-Secret"
@@ -187,18 +195,19 @@ def test_every_dashboard_query_returns_series_under_traffic(stack: Stack) -> Non
     # Runs after the completions above: rates over 5m windows have their samples by now, or
     # within a few scrapes (2 s apart); poll instead of guessing how long that takes.
     queries = [("targets up", "sum(up)")] + panel_queries()
+    targets = scrape_targets()  # 2 conductors, store, 2 prefill, 2 decode
     deadline = time.monotonic() + 120
     missing: list[tuple[str, str]] = []
     while time.monotonic() < deadline:
         missing = [(title, expr) for title, expr in queries
                    if not any(math.isfinite(float(s["value"][1]))
                               for s in prometheus_query(stack, expr))]
-        if not missing and float(prometheus_query(stack, "sum(up)")[0]["value"][1]) == 6:
+        if not missing and float(prometheus_query(stack, "sum(up)")[0]["value"][1]) == targets:
             break
         time.sleep(2)
     assert not missing, f"queries without series: {json.dumps(missing, indent=1)}"
     up = {s["metric"]["instance"]: s["value"][1] for s in prometheus_query(stack, "up")}
-    assert len(up) == 6 and set(up.values()) == {"1"}, up
+    assert len(up) == targets and set(up.values()) == {"1"}, up
 
 
 def decode_serving(stack: Stack, request_id: str, min_tokens: int) -> str | None:
