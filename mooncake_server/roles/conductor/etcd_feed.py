@@ -25,6 +25,9 @@ from mooncake_server.wire.instances import ConductorInfo, InstanceInfo
 
 log = logging.getLogger(__name__)
 
+# Two heartbeats at the default --heartbeat-interval: an instance heard this recently is alive.
+STILL_HEARD_S = 2.0
+
 
 class RegistryFeed:
     """Publishes this conductor under `conductors/` and mirrors `instances/` into `registry`."""
@@ -83,10 +86,23 @@ class RegistryFeed:
         self._from_etcd.add(info.instance_id)
 
     def _delete(self, key: str) -> None:
-        instance_id = key.rsplit("/", 1)[-1]
-        if instance_id in self._from_etcd:
-            self._from_etcd.discard(instance_id)
-            self._registry.deregister(instance_id)
+        self._forget(key.rsplit("/", 1)[-1])
+
+    def _forget(self, instance_id: str) -> None:
+        """The instance's key is gone: drop it, unless it is still heartbeating to us.
+
+        A lease also ends when etcd was away longer than its TTL, while the instance ran on; it
+        makes a new one as soon as etcd is back, and meanwhile its heartbeats say it is alive
+        (dropping it made every request 503 for that moment). A killed instance has been
+        silent for most of a TTL by the time its lease ends, and goes at once.
+        """
+        if instance_id not in self._from_etcd:
+            return
+        self._from_etcd.discard(instance_id)
+        if self._registry.heard_within(instance_id, STILL_HEARD_S):
+            log.info("instance %s left etcd but still heartbeats: kept", instance_id)
+            return
+        self._registry.deregister(instance_id)
 
     def _sync(self, items: dict[str, bytes]) -> None:
         seen = set()
@@ -95,8 +111,7 @@ class RegistryFeed:
             seen.add(key.rsplit("/", 1)[-1])
         for gone in sorted(self._from_etcd - seen):
             log.info("instance %s left etcd while the watch was down", gone)
-            self._from_etcd.discard(gone)
-            self._registry.deregister(gone)
+            self._forget(gone)
 
 
 class EtcdCollector(Collector):

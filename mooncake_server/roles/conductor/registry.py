@@ -113,6 +113,12 @@ class InstanceRegistry:
         entry = self._entries.get(instance_id)
         return entry is not None and self._is_alive(entry, self._clock())
 
+    def heard_within(self, instance_id: str, seconds: float) -> bool:
+        """True if the instance heartbeated in the last `seconds` (registering is no heartbeat)."""
+        entry = self._entries.get(instance_id)
+        return (entry is not None and entry.load is not None
+                and self._clock() - entry.last_seen <= seconds)
+
     def mark_down(self, instance_id: str) -> None:
         """Stop picking an instance that just failed, until its next heartbeat."""
         entry = self._entries.get(instance_id)
