@@ -20,7 +20,7 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -172,7 +172,7 @@ def choice_key(cpu: CpuFeatures, kernels: Sequence[str], linears: Sequence[nn.Li
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def remembered_choice(path: Path, measure: object) -> KernelChoice:
+def remembered_choice(path: Path, measure: Callable[[], KernelChoice]) -> KernelChoice:
     """The choice stored at `path`, or `measure()`'s, stored there (one process measures)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
@@ -187,7 +187,7 @@ def remembered_choice(path: Path, measure: object) -> KernelChoice:
             return choice
         except (OSError, ValueError, KeyError, AttributeError, StopIteration):
             pass
-        choice = measure()  # type: ignore[operator]
+        choice = measure()
         if choice.trusted:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(asdict(choice), indent=1))

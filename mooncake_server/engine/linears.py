@@ -74,6 +74,8 @@ def int8_linear(linear: nn.Linear) -> nn.Module:
     if "fbgemm" in torch.backends.quantized.supported_engines:
         torch.backends.quantized.engine = "fbgemm"
     linear.qconfig = per_channel_dynamic_qconfig  # type: ignore[assignment]
+    # NOTE: torch.ao's eager quantization warns that it moves to torchao; pyproject pins a torch
+    # that still has it, and its kernels (fbgemm) are the ones measured here.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
         return DynamicInt8Linear.from_float(linear)
@@ -118,20 +120,6 @@ def _replace_linears(model: nn.Module, make: type[nn.Module] | object) -> int:
     return count
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """Every linear as fbgemm's dynamic int8 linear with per-channel weights (float32 models)."""
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    if "fbgemm" in torch.backends.quantized.supported_engines:
-        torch.backends.quantized.engine = "fbgemm"
-    # NOTE: torch.ao's eager quantization warns that it moves to torchao; pyproject pins a torch
-    # that still has it, and its kernels (fbgemm) are the ones measured here.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", (DeprecationWarning, UserWarning))
-        return quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig},
-                                dtype=torch.qint8, inplace=True)
-
-
 def prepare_linears(model: nn.Module, dtype: torch.dtype, quantization: str,
                     measure: Callable[[list[nn.Linear]], KernelChoice] | None = None) -> str:
     """Put the fast kernel for (dtype, quantization) into `model`; returns what was done.
@@ -148,7 +136,7 @@ def prepare_linears(model: nn.Module, dtype: torch.dtype, quantization: str,
     if quantization == "int8":
         if dtype != torch.float32:
             raise ValueError("--quantization int8 needs --dtype float32 (activations stay fp32)")
-        quantize_int8(model)
+        _replace_linears(model, int8_linear)
         return "int8 dynamic linears (fbgemm, per-channel weights)"
     if dtype == torch.bfloat16 and bf16_packing_supported():
         n = _replace_linears(model, PackedBF16Linear)

@@ -17,11 +17,10 @@ import httpx
 import openai
 import pytest
 import torch
+from tiny_served import tiny_clusters
 from transformers import AutoModelForCausalLM
 
-from mooncake_server.config import ServerConfig
 from mooncake_server.wire.auth import secret_headers
-from mooncake_testkit.in_process import AppCluster
 
 SECRET = "logprobs-secret"
 # 40 token ids: two full 16-token blocks and a partial one (a cached prefix is possible).
@@ -32,37 +31,11 @@ TOL = 1e-4
 MODES = ["colocated", "disaggregated"]
 
 
-def _config(role: str, port: int, model: str, **extra: Any) -> ServerConfig:
-    return ServerConfig(role=role, port=port, model=model, served_model_name="tiny",
-                        cluster_secret=SECRET, dtype="float32", kv_memory_bytes=8 << 20,
-                        store_memory_bytes=64 << 20, max_batch_size=8, prefill_chunk_tokens=64,
-                        heartbeat_interval_s=0.2, transport="tcp", transfer_timeout_s=5.0,
-                        **extra)
-
-
-def _wait_healthy(url: str) -> None:
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} did not become healthy")
-
-
 @pytest.fixture(scope="module")
 def urls(tiny_model_dir: str) -> Iterator[dict[str, str]]:
     """colocated, disaggregated (the conductor) and the cluster's prefill instance."""
-    with AppCluster() as apps:
-        apps.add("colocated", lambda port: _config("colocated", port, tiny_model_dir))
-        conductor = apps.add("conductor", lambda port: _config("conductor", port, tiny_model_dir))
-        for role in ("store", "prefill", "decode"):
-            apps.add(role, lambda port, role=role: _config(role, port, tiny_model_dir,
-                                                           conductor_url=conductor))
-        _wait_healthy(conductor)
-        yield {"colocated": apps.urls["colocated"], "disaggregated": conductor,
-               "prefill": apps.urls["prefill"], "decode": apps.urls["decode"]}
+    with tiny_clusters(tiny_model_dir, SECRET) as found:
+        yield found
 
 
 @pytest.fixture(scope="module")
