@@ -9,14 +9,18 @@ import torch
 
 from mooncake_server.engine.cpu import parse_cpuinfo, resolve_dtype_name, resolve_quantization
 from mooncake_server.engine.kernel_choice import (
+    MAX_KERNEL_ERROR,
     choice_key,
     choose_kernels,
     default_choice,
+    faithful_choice,
     kernel_candidates,
+    kernel_errors,
     measure_kernels,
     remembered_choice,
 )
 from mooncake_server.engine.linears import (
+    KERNELS,
     BatchSizedLinear,
     apply_kernels,
     bf16_packing_supported,
@@ -136,3 +140,30 @@ def test_untrusted_timings_fall_back_to_the_flags_and_are_not_remembered(tmp_pat
     assert not path.exists()
     assert default_choice(["float32", "int8"], {}).small == "int8"
     assert default_choice(["float32"], {}).large == "float32"
+
+
+def test_a_kernel_that_disagrees_with_float32_is_not_used(monkeypatch) -> None:
+    """A broken kernel (a CPU or library bug) costs speed, never answers."""
+    class Broken(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return -self.lin(x)
+
+    monkeypatch.setitem(KERNELS, "int8", Broken)
+    linears = [torch.nn.Linear(64, 96) for _ in range(3)]
+    errors = kernel_errors(linears, ["int8"])
+    assert errors["int8"] > 1.5
+    choice = faithful_choice(choose_kernels({"float32": {1: 1.0, 256: 1.0},
+                                             "int8": {1: 0.4, 256: 0.7}}), errors)
+    assert (choice.small, choice.large) == ("float32", "float32")
+
+
+def test_int8_kernel_stays_within_the_error_bound() -> None:
+    linears = [torch.nn.Linear(128, 256) for _ in range(2)]
+    errors = kernel_errors(linears, ["float32", "int8"])
+    assert errors["float32"] == 0.0 and 0 < errors["int8"] < MAX_KERNEL_ERROR
+    choice = choose_kernels({"float32": {1: 1.0}, "int8": {1: 0.4}})
+    assert faithful_choice(choice, errors) is choice
