@@ -276,12 +276,13 @@ class ServerConfig:
         (CONDUCTOR,))
     tbt_slo_s: float | None = _setting(  # None = never reject on TBT
         None, "--tbt-slo",
-        "seconds; reject (429) requests whose estimated time between tokens exceeds it",
-        (CONDUCTOR, DECODE))
+        "seconds; reject (429) requests whose estimated time between tokens exceeds it "
+        "(prefill: passes beside a decode are sized to fit half of it)",
+        (CONDUCTOR, PREFILL, DECODE))
     profile_path: str | None = _setting(  # None = built-in model
         None, "--profile",
         "cost model from `mooncake-server profile` (default: built-in coefficients)",
-        (CONDUCTOR, DECODE))
+        (CONDUCTOR, PREFILL, DECODE))
     log_level: str = _setting("info", "--log-level", "debug | info | warning | error",
                               EVERY_ROLE)
 

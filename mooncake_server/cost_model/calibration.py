@@ -63,10 +63,12 @@ class _Recent:
 class _RecentCalibration:
     """A summary of the recent ratios, recomputed on read only when they changed."""
 
+    empty = 1.0  # the value with nothing recent: the model's own times
+
     def __init__(self, window: int, lo: float, hi: float, horizon_s: float,
                  clock: Callable[[], float]) -> None:
         self._recent = _Recent(window, lo, hi, horizon_s, clock)
-        self._value = 1.0
+        self._value = self.empty
 
     def add(self, measured_s: float, modelled_s: float, at: float | None = None) -> None:
         """One measured step, gap or job against what the model predicted for it."""
@@ -80,7 +82,7 @@ class _RecentCalibration:
         if recent.changed:
             # Summarised on read, not per sample: samples arrive per token, reads per request.
             ratios = [ratio for _, ratio in recent.samples]
-            self._value = self._summarise(ratios) if ratios else 1.0
+            self._value = self._summarise(ratios) if ratios else self.empty
             recent.changed = False
         return self._value
 
@@ -117,6 +119,27 @@ class TailMeanCalibration(TailCalibration):
         ordered = sorted(ratios)
         tail = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered))):]
         return sum(tail) / len(tail)
+
+
+class TailMeanSeconds(TailMeanCalibration):
+    """The mean of the recent longest tenth of a duration, in seconds (0.0 when none is recent).
+
+    For the part of a token gap that does not scale with the batch: the wait for the cores
+    while a prefill pass beside the decode runs. Read as a ratio of the step it would read as
+    a slow step, and a batch ten times larger would be predicted to wait ten times longer.
+    """
+
+    empty = 0.0
+
+    def __init__(self, *, quantile: float = 0.9, window: int = 256, hi: float = 30.0,
+                 horizon_s: float = DEFAULT_HORIZON_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(quantile=quantile, window=window, lo=0.0, hi=hi, horizon_s=horizon_s,
+                         clock=clock)
+
+    def add_seconds(self, seconds: float, at: float | None = None) -> None:
+        """One measured duration."""
+        self.add(seconds, 1.0, at)
 
 
 class SmoothedCalibration(_RecentCalibration):

@@ -79,8 +79,9 @@ class EngineLoop:
         self._task: asyncio.Task[None] | None = None
         self._max_seen = 0
         self._block_refs: dict[int, int] = {}  # blocks shared by sibling choices -> holders
-        # Told every pure decode step (batch, context tokens, seconds): admission calibration.
-        self.step_observer: Callable[[int, int, float], None] | None = None
+        # Told every pure decode step (batch, context tokens, compute seconds, seconds waited
+        # for the cores and the forward thread): admission calibration.
+        self.step_observer: Callable[[int, int, float, float], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -148,7 +149,8 @@ class EngineLoop:
     def _observe(self, items: list[StepItem], seconds: float) -> None:
         if self.step_observer is not None and all(it.num_new == 1 for it in items):
             context = sum(it.seq.num_computed + 1 for it in items)
-            self.step_observer(len(items), context, seconds)
+            compute = min(seconds, self.runner.last_compute_s)
+            self.step_observer(len(items), context, compute, seconds - compute)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch_size:

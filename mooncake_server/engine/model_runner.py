@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -112,6 +113,10 @@ class ModelRunner:
         self.kv = kv
         self.layout: KVLayout = kv.layout
         self.cores = cores or FixedThreads(None)
+        # The last pass's wait for its turn on the cores and its own time after it: a token gap
+        # is one plus the other, and only the second scales with the batch.
+        self.last_wait_s = 0.0
+        self.last_compute_s = 0.0
 
     @torch.inference_mode()
     def step(self, items: Seq[StepItem],
@@ -123,11 +128,14 @@ class ModelRunner:
         Every item's `seq.block_ids` must already cover `num_computed + num_new` tokens.
         `on_layer(l)` is called as soon as layer l's new K/V are written to the pool.
         """
+        asked = time.perf_counter()
         self.cores.enter_step()
+        began = time.perf_counter()
         try:
             return self._forward(items, on_layer)
         finally:
             self.cores.exit_step()
+            self.last_wait_s, self.last_compute_s = began - asked, time.perf_counter() - began
 
     def _forward(self, items: Seq[StepItem],
                  on_layer: Callable[[int], None] | None) -> torch.Tensor:

@@ -37,6 +37,10 @@ class Heartbeat(BaseModel):
     running: int = 0
     waiting: int = 0
     free_blocks: int | None = None
+    # A decode instance with a cost model (--tbt-slo): its steps' measured / modelled time and
+    # the seconds a step waits for the cores first (each the slow tail of the last seconds).
+    step_ratio: float | None = None
+    wait_s: float | None = None
 
 
 class StoreLocation(BaseModel):

@@ -290,4 +290,7 @@ def test_openai_client_chat_logprobs_and_stream(client) -> None:
             if choice.index == 0 and choice.logprobs and choice.logprobs.content:
                 streamed += [e.logprob for e in choice.logprobs.content]
     assert text[0] == text[1] == whole.choices[0].message.content  # greedy: both the same
-    assert streamed == [e.logprob for e in content]
+    # n=2 decodes both choices in one batch: a fp32 GEMM over 2 rows need not round as one
+    # over 1 row does (it does not on the AVX2-only AMD part), so the logprobs agree to float32
+    # rounding, not bit for bit; the tokens above are the same either way.
+    assert streamed == pytest.approx([e.logprob for e in content], rel=1e-5)

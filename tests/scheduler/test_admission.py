@@ -46,7 +46,7 @@ def test_measured_steps_calibrate_the_tbt_prediction() -> None:
     a.reserve("a", prompt_tokens=4, max_tokens=4)
     a.reserve("b", prompt_tokens=4, max_tokens=4)  # 30 ms predicted: fits
     for _ in range(100):
-        a.observe_step(batch=2, context=8, seconds=0.12)  # this host runs steps 4x slower
+        a.observe_step(batch=2, context=8, compute_s=0.12)  # this host runs steps 4x slower
     with pytest.raises(AdmissionRefused, match="TBT"):
         a.reserve("c", prompt_tokens=4, max_tokens=4)
 
@@ -82,9 +82,27 @@ def test_slow_steps_stop_counting_once_the_instance_ran_none_for_the_horizon() -
     a = DecodeAdmission(1000, 4, 64, model=MODEL, tbt_slo_s=0.1, horizon_s=10.0, clock=clock)
     a.reserve("a", prompt_tokens=4, max_tokens=4)
     for _ in range(100):
-        a.observe_step(batch=1, context=4, seconds=0.5)  # an overload: steps 20x the model
+        a.observe_step(batch=1, context=4, compute_s=0.5)  # an overload: steps 20x the model
     with pytest.raises(AdmissionRefused, match="TBT"):
         a.reserve("b", prompt_tokens=4, max_tokens=4)
     clock.now += 10.0  # "a" waits for its decode job; no step ran since
     a.reserve("b", prompt_tokens=4, max_tokens=4)  # 30 ms as modelled
     assert a.calibration == 1.0
+
+
+def test_a_wait_for_the_cores_is_added_to_a_step_not_scaled_with_the_batch() -> None:
+    """A prefill pass beside the decode lengthens every gap by its own time, whatever the batch:
+    read as a ratio, a pass beside a one-sequence step made a batch of three look unservable."""
+    clock = Clock()
+    a = admission(blocks=1000, tbt_slo=0.1, clock=clock)
+    a.reserve("a", prompt_tokens=4, max_tokens=4)
+    for _ in range(50):
+        a.observe_step(batch=1, context=4, compute_s=0.025, wait_s=0.062)  # a pass each step
+    a.reserve("b", prompt_tokens=4, max_tokens=4)
+    a.reserve("c", prompt_tokens=4, max_tokens=4)  # 35 ms step + 62 ms wait: fits 100 ms
+    assert a.predicted_step_s(3, 12) == pytest.approx(0.097, abs=1e-3)
+    with pytest.raises(AdmissionRefused, match="TBT"):
+        a.reserve("d", prompt_tokens=4, max_tokens=4)  # 40 + 62 ms does not
+    clock.now += 10.0  # the prompts are done: the waits age out with the steps
+    assert a.wait_s == 0.0
+    a.reserve("d", prompt_tokens=4, max_tokens=4)

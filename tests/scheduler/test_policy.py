@@ -232,3 +232,18 @@ def test_tbt_is_judged_on_the_longest_tenth_of_gaps_as_the_slo_is() -> None:
     # 60 gaps: the longest 6 are the hand-off and five steady ones.
     assert judged_tbt(steady, handoff, max_tokens=61) == pytest.approx((0.6 + 5 * 0.1) / 6)
     assert judged_tbt(0.3, 0.2, max_tokens=61) == pytest.approx(0.3)  # steady steps are worse
+
+
+async def test_a_decode_instances_wait_for_the_cores_is_added_to_its_steps() -> None:
+    """A decode beside a prefill on one machine reports its steps' speed and its wait for the
+    cores apart: the wait lengthens every gap by the same seconds, whatever the batch."""
+    s = scheduler("cache-global", tbt_slo=0.1, decode=1)
+    for i in range(2):
+        s.tracker.assign(f"run{i}", "p1", 0.0, "d1", 100)
+    s.registry.heartbeat(Heartbeat(instance_id="d1", running=2, step_ratio=1.0, wait_s=0.03))
+    # A batch of 3: 35 ms + 30 ms waited (a ratio of the one-sequence step would say 80 ms).
+    plan = await s.plan(request("ok", 100, max_tokens=64), keys(100))
+    assert plan is not None and plan.tbt_s == pytest.approx(0.065 + (0.07 - 0.065) / 6)
+    s.registry.heartbeat(Heartbeat(instance_id="d1", running=3, step_ratio=1.0, wait_s=0.07))
+    with pytest.raises(SLORejected, match="TBT"):  # 40 + 70 ms
+        await s.plan(request("r", 100, max_tokens=64), keys(100))

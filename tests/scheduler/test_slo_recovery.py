@@ -3,13 +3,14 @@
 The overload is the decode instance's forward passes slowed by a wrapper (standing in for the CPU
 contention that made users' steps slow); the conductor measures the slow token gaps, and its TBT
 estimates refuse further requests with 429. Refused requests measure nothing, so only the
-measurements' age can end that. The conductor's ledger runs on a clock the test can move forward
-(real time plus idle periods declared at once) instead of the test sleeping through the horizon;
+measurements' age can end that. The conductor's ledger and the decode instance's admission run on a clock the test can move
+forward (real time plus idle periods declared at once) instead of the test sleeping through the horizon;
 everything else — placement, reservations, prefill, KV over TCP, decode — is the real path.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -26,6 +27,7 @@ from mooncake_server.config import ServerConfig
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.instance import engine_role
 from mooncake_server.roles.conductor.scheduler.load import LoadTracker
+from mooncake_server.roles.decode import app as decode_app
 
 TBT_SLO_S = 0.3
 TTFT_SLO_S = 5.0
@@ -89,6 +91,18 @@ def slowed_runners(slow: threading.Event) -> Callable[..., Any]:
     return build_slowed
 
 
+def beat_after(c: Cluster, since: float, timeout_s: float = 5.0) -> None:
+    """Wait until the conductor has had a heartbeat from every decode instance sent after
+    `since` (they beat every 0.2 s here)."""
+    registry = c.conductor_app.state.backend.scheduler.registry  # on time.monotonic
+    while (now := time.monotonic()) < since + timeout_s:
+        decodes = registry.alive("decode")
+        if decodes and all(registry.heard_within(d.instance_id, now - since) for d in decodes):
+            return
+        time.sleep(0.02)
+    raise AssertionError("no heartbeat from the decode instance")
+
+
 def prefill_jobs(c: Cluster) -> float:
     return sum(c.metric(url, "mooncake_prefill_jobs_total") for url in c.prefill)
 
@@ -101,11 +115,15 @@ def test_an_idle_cluster_admits_again_once_the_overload_ages_out(
               decode_d1=0.0, decode_d2=0.0, block_tokens=BLOCK).save(profile)
     slow = threading.Event()
     monkeypatch.setattr(engine_role, "build_runner", slowed_runners(slow))
+    clock = IdleClock()
+    # The decode instance's admission (whose step timings its heartbeats report) ages on the
+    # same clock as the conductor's ledger.
+    monkeypatch.setattr(decode_app, "DecodeAdmission",
+                        functools.partial(decode_app.DecodeAdmission, clock=clock))
     c = start(tiny_model_dir, "cache-global", tbt_slo_s=TBT_SLO_S, ttft_slo_s=TTFT_SLO_S,
               profile_path=str(profile))
     try:
         scheduler = c.conductor_app.state.backend.scheduler
-        clock = IdleClock()
         scheduler.tracker = LoadTracker(clock)  # the default horizon, on a movable clock
         horizon = scheduler.tracker.horizon_s
 
@@ -131,6 +149,7 @@ def test_an_idle_cluster_admits_again_once_the_overload_ages_out(
         # ...until the cluster has been idle for the horizon: the model decides again, and the
         # request it admits meets its SLOs.
         clock.idle(horizon / 2)
+        beat_after(c, time.monotonic())  # the decode instance's report of its aged timings
         status, message, times = stream(c, prompt(13))
         assert status == 200, message
         gaps = [b - a for a, b in zip(times[1:], times[2:])]

@@ -6,9 +6,11 @@ A request walks: reserved (POST /internal/decode/reserve, before its prefill sta
 refused (HTTP 503, which the conductor turns into another decode instance or a 429) when
   - KV: the worst-case blocks of every held request (prompt + max_tokens, capped by the context
     window) plus its own exceed the pool: admitted, it could run out of blocks mid-stream;
-  - TBT (with --tbt-slo): the step time predicted for the batch with it — the cost model
-    (--profile or built-in), calibrated by the steps this instance measured in the last
-    `horizon_s` seconds (their slow tail: TBT is judged on the longest gaps) — exceeds the SLO.
+  - TBT (with --tbt-slo): the token gap predicted for the batch with it exceeds the SLO. A gap
+    is the step itself — the cost model (--profile or built-in), calibrated by the steps this
+    instance computed in the last `horizon_s` seconds (their slow tail: TBT is judged on the
+    longest gaps) — plus the wait for the cores before it (a prefill pass beside it on one
+    machine; their slow tail, in seconds: it does not grow with the batch).
 An idle instance takes any request, so one too large for the SLO alone is still served; and an
 instance that ran no steps for `horizon_s` predicts with the bare model again, so an overload's
 slow steps do not outlive it.
@@ -20,7 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mooncake_server.cost_model.calibration import DEFAULT_HORIZON_S, TailMeanCalibration
+from mooncake_server.cost_model.calibration import (
+    DEFAULT_HORIZON_S,
+    TailMeanCalibration,
+    TailMeanSeconds,
+)
 from mooncake_server.cost_model.perf_model import PerfModel
 
 
@@ -50,6 +56,7 @@ class DecodeAdmission:
         self.tbt_slo_s = tbt_slo_s
         self.ttl_s = ttl_s
         self._calibration = TailMeanCalibration(horizon_s=horizon_s, clock=clock)
+        self._wait = TailMeanSeconds(horizon_s=horizon_s, clock=clock)
         self.refused = 0
         self._clock = clock
         self._held: dict[str, _Hold] = {}
@@ -84,20 +91,28 @@ class DecodeAdmission:
 
     @property
     def calibration(self) -> float:
-        """Measured / modelled step time (a high quantile of the steps of the last horizon_s)."""
+        """Measured / modelled step time (the slow tail of the steps of the last horizon_s)."""
         return self._calibration.value
 
+    @property
+    def wait_s(self) -> float:
+        """Seconds a step waits for the cores (the slow tail of the last horizon_s)."""
+        return self._wait.value
+
     def predicted_step_s(self, batch: int, context: int) -> float | None:
-        """Calibrated step time of a batch; None without a cost model."""
+        """Calibrated token gap of a batch (step and wait); None without a cost model."""
         if self.model is None:
             return None
-        return self.model.decode_step_s(batch, context) * self.calibration
+        return self.model.decode_step_s(batch, context) * self.calibration + self.wait_s
 
-    def observe_step(self, batch: int, context: int, seconds: float) -> None:
-        """A decode step this instance ran: calibrates later predictions."""
+    def observe_step(self, batch: int, context: int, compute_s: float,
+                     wait_s: float = 0.0) -> None:
+        """A decode step this instance ran, and how long it waited first: calibrates later
+        predictions."""
         if self.model is None or batch <= 0:
             return
-        self._calibration.add(seconds, self.model.decode_step_s(batch, context))
+        self._calibration.add(compute_s, self.model.decode_step_s(batch, context))
+        self._wait.add_seconds(wait_s)
 
     def _admit(self, request_id: str, prompt_tokens: int, max_tokens: int,
                expires_at: float | None) -> None:

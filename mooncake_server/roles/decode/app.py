@@ -230,8 +230,8 @@ def build_app(config: ServerConfig) -> FastAPI:
                             model=parts.info.name)
         await starting.join(
             info, busy=lambda: service.streams > 0 or any(loop.load), what="decode streams",
-            load=lambda: Heartbeat(instance_id=instance_id(config), running=loop.load[0],
-                                   waiting=loop.load[1], free_blocks=runner.kv.num_free))
+            load=lambda: _heartbeat(instance_id(config), loop, runner.kv.num_free,
+                                    service.admission))
         log.info("decode instance %s ready", instance_id(config))
 
     app = instance_app(config, "mooncake-server decode", registry, start)
@@ -273,6 +273,16 @@ def build_app(config: ServerConfig) -> FastAPI:
         return {"released": True}
 
     return app
+
+
+def _heartbeat(iid: str, loop: WriteBackLoop, free_blocks: int,
+               admission: DecodeAdmission) -> Heartbeat:
+    """Load, and with a cost model, how this instance's steps compare with it."""
+    timed = admission.model is not None
+    return Heartbeat(instance_id=iid, running=loop.load[0], waiting=loop.load[1],
+                     free_blocks=free_blocks,
+                     step_ratio=admission.calibration if timed else None,
+                     wait_s=admission.wait_s if timed else None)
 
 
 def _admission(config: ServerConfig, total_blocks: int, max_model_len: int) -> DecodeAdmission:

@@ -16,7 +16,9 @@ from mooncake_server.config import ServerConfig
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.instance.app import Starting, instance_app
 from mooncake_server.instance.engine_role import instance_id, start_engine
+from mooncake_server.roles.conductor.scheduler import load_perf_model
 from mooncake_server.roles.prefill.cache_report import CacheReporter
+from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
 from mooncake_server.roles.prefill.worker import PrefillMetrics, PrefillWorker
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.wire.auth import require_secret
@@ -48,8 +50,10 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     async def start(starting: Starting) -> None:
         parts = await start_engine(starting, "prefill")
+        model = load_perf_model(config) if config.tbt_slo_s is not None else None
+        chunks = ChunkBudget(config.decode_chunk_tokens, model, config.tbt_slo_s)
         worker = PrefillWorker(parts.runner, parts.link, parts.executor, config,
-                               parts.info.max_model_len, state.metrics)
+                               parts.info.max_model_len, state.metrics, chunks)
         conductors = (await starting.cluster()).conductors
         worker.reporter = CacheReporter(conductors.current, instance_id(config),
                                         config.cluster_secret, worker.cache, parts.http)

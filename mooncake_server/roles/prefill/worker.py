@@ -43,6 +43,7 @@ from mooncake_server.engine.model_runner import ModelRunner, StepItem
 from mooncake_server.engine.sampler import sample_token
 from mooncake_server.engine.sequence import Sequence
 from mooncake_server.roles.prefill.cache_report import CacheReporter
+from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
 from mooncake_server.roles.prefill.kv_stream import LayerStream
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 from mooncake_server.store_client.client import StoreError
@@ -97,8 +98,10 @@ class PrefillWorker:
     """Runs prefill jobs over one model and one KV pool, queued jobs batched per forward pass."""
 
     def __init__(self, runner: ModelRunner, link: KVStoreLink, executor: ThreadPoolExecutor,
-                 config: ServerConfig, max_model_len: int, metrics: PrefillMetrics) -> None:
+                 config: ServerConfig, max_model_len: int, metrics: PrefillMetrics,
+                 chunks: ChunkBudget | None = None) -> None:
         self.runner = runner
+        self.chunks = chunks or ChunkBudget(config.decode_chunk_tokens)
         self.kv = runner.kv
         self.cache = LocalPrefixCache(runner.kv)
         self.link = link
@@ -210,6 +213,8 @@ class PrefillWorker:
         logits = await asyncio.get_running_loop().run_in_executor(
             self.executor, self.runner.step, [it for _, it in items],
             on_layer if streams else None)
+        self.chunks.observe(sum(it.num_new for _, it in items),
+                            sum(it.seq.num_computed for _, it in items), self.runner.last_compute_s)
         for stream in streams:
             stream.after_chunk()
         score_prompt_chunks([(it.seq, it.num_new) for _, it in items], logits)
@@ -356,13 +361,14 @@ class PrefillWorker:
         return self.config.transport == "rdma" or bool(threads and threads < machine_cores())
 
     def _chunk_tokens(self) -> int:
-        """--prefill-chunk, or --decode-chunk while another engine on these cores has work.
+        """--prefill-chunk, or while another engine on these cores has work, the chunk that
+        keeps its token gaps short (--decode-chunk; with --tbt-slo, sized to fit it).
 
         A chunk's thread team is sized when it starts; short chunks let this prefill hand
         cores back soon after a decode beside it wakes (no long oversubscribed stretch).
         """
         if self.runner.cores.others_active():
-            return min(self.config.prefill_chunk_tokens, self.config.decode_chunk_tokens)
+            return min(self.config.prefill_chunk_tokens, self.chunks.tokens())
         return self.config.prefill_chunk_tokens
 
     async def _finish_writes(self, task: _Task, checksums: list[int]) -> None:

@@ -192,8 +192,13 @@ class KVCacheScheduler:
         n = len(request.prompt_token_ids)
         step = estimate_tbt(self.model, load, n)
         iid = info.instance_id
-        tbt = judged_tbt(step * self.tracker.decode_calibration(iid),
-                         HANDOFF_STEPS * step * self.tracker.handoff_calibration(iid),
+        if beat is not None and beat.step_ratio is not None:
+            # The instance's own split: its steps scale with the batch, its wait for the cores
+            # (a prefill pass beside it) does not. Gaps seen here mix the two into one ratio.
+            steady = step * beat.step_ratio + (beat.wait_s or 0.0)
+        else:
+            steady = step * self.tracker.decode_calibration(iid)
+        tbt = judged_tbt(steady, HANDOFF_STEPS * step * self.tracker.handoff_calibration(iid),
                          request.sampling.max_tokens)
         need = -(-(n + request.sampling.max_tokens) // self.block_tokens)
         fits = beat is None or beat.free_blocks is None or beat.free_blocks >= need
