@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import uvicorn
 
 from mooncake_testkit.ports import bound_socket
@@ -26,6 +27,19 @@ if TYPE_CHECKING:
     from mooncake_server.config import ServerConfig
 
 START_TIMEOUT_S = 60.0
+
+
+def wait_healthy(url: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Poll GET url/health until it answers 200; raises once `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not become healthy")
 
 
 class _QuietServer(uvicorn.Server):

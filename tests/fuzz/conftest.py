@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from fuzz_helpers import LiveCluster, role_config, wait_healthy
+from fuzz_helpers import LiveCluster, role_config
 
-from mooncake_testkit.in_process import AppCluster
+from mooncake_testkit.in_process import AppCluster, wait_healthy
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ conftest modules.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,19 +16,6 @@ from mooncake_server.config import ServerConfig
 API_KEY = "fuzz-api-key"
 SECRET = "fuzz-cluster-secret"
 MAX_TOKENS = 16  # --max-tokens-limit of the servers under test
-
-
-def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
-    """Poll GET url/health until 200."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} did not become healthy")
 
 
 def role_config(role: str, port: int, model: str, **extra: Any) -> ServerConfig:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import httpx
-
 from mooncake_server.config import ServerConfig
-from mooncake_testkit.in_process import AppCluster
+from mooncake_testkit.in_process import AppCluster, wait_healthy
 
 
 def tiny_config(role: str, port: int, model: str, secret: str, **extra: Any) -> ServerConfig:
@@ -20,18 +17,6 @@ def tiny_config(role: str, port: int, model: str, secret: str, **extra: Any) -> 
                         store_memory_bytes=64 << 20, max_batch_size=8, prefill_chunk_tokens=64,
                         heartbeat_interval_s=0.2, transport="tcp", transfer_timeout_s=5.0,
                         **extra)
-
-
-def wait_healthy(url: str) -> None:
-    """Poll GET url/health until 200 (30 s at most)."""
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{url} did not become healthy")
 
 
 @contextmanager
@@ -45,6 +30,6 @@ def tiny_clusters(model: str, secret: str) -> Iterator[dict[str, str]]:
         for role in ("store", "prefill", "decode"):
             apps.add(role, lambda port, role=role: tiny_config(role, port, model, secret,
                                                                conductor_url=conductor))
-        wait_healthy(conductor)
+        wait_healthy(conductor, 30.0)
         yield {"colocated": apps.urls["colocated"], "disaggregated": conductor,
                "prefill": apps.urls["prefill"], "decode": apps.urls["decode"]}
