@@ -119,17 +119,15 @@ def run(config: ServerConfig) -> None:
 
         run_all(config)
         return
-    import uvicorn
-
     from mooncake_server.instance.drain import DrainingServer
+    from mooncake_server.instance.http_server import server_config
     from mooncake_server.roles import app_for_role
 
     app = app_for_role(config)
     # NOTE: SIGTERM first drains the role (its app.state.drain), then uvicorn shuts down.
-    DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
-                                  log_level=config.log_level, access_log=False,
-                                  timeout_graceful_shutdown=5,
-                                  lifespan="on"), app).run()
+    DrainingServer(server_config(app, host=config.host, port=config.port, log_config=None,
+                                 log_level=config.log_level, access_log=False,
+                                 timeout_graceful_shutdown=5, lifespan="on"), app).run()
 
 
 def _profile(argv: list[str]) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import uvicorn
 
+from mooncake_server.instance.http_server import server_config
 from mooncake_testkit.ports import bound_socket
 
 if TYPE_CHECKING:
@@ -49,8 +50,8 @@ class _QuietServer(uvicorn.Server):
 
 
 def _server(app: Any) -> _QuietServer:
-    return _QuietServer(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                       timeout_graceful_shutdown=2))
+    return _QuietServer(server_config(app, log_level="warning", lifespan="on",
+                                      timeout_graceful_shutdown=2))
 
 
 def _url(sock: socket.socket) -> str:

@@ -207,7 +207,10 @@ def serve_index(port: int) -> None:
     """--index-server: run the index in its own process, as the conductor would."""
     import uvicorn
 
-    uvicorn.run(index_app(), host="127.0.0.1", port=port, log_level="warning")
+    from mooncake_server.instance.http_server import server_config
+
+    uvicorn.Server(server_config(index_app(), host="127.0.0.1", port=port,
+                                 log_level="warning")).run()
 
 
 class IndexProcess:
