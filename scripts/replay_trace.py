@@ -139,6 +139,7 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""
+    request_id: str = ""  # the server's id (its logs name the request by it)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -221,7 +222,8 @@ def request_record(config: str, o: Outcome, ttft_slo: float, tbt_slo: float) -> 
             "output_tokens": len(o.token_times), "max_tokens": o.max_tokens,
             "cached_tokens": o.cached_tokens, "ttft_s": o.ttft_s,
             "tbt_s": request_tbt(o.token_times),
-            "within_slo": within_slo(o, ttft_slo, tbt_slo), "error": o.error or None}
+            "within_slo": within_slo(o, ttft_slo, tbt_slo), "error": o.error or None,
+            "request_id": o.request_id or None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +251,7 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
                 chunk = json.loads(line[6:])
                 if chunk.get("error"):
                     return Outcome("error", error=str(chunk["error"])[:200])
+                out.request_id = out.request_id or chunk.get("id") or ""
                 if chunk.get("choices"):
                     out.token_times.append(time.perf_counter() - start)
                 usage = chunk.get("usage")

@@ -86,6 +86,12 @@ class _RecentCalibration:
             recent.changed = False
         return self._value
 
+    @property
+    def recent(self) -> int:
+        """How many measurements are recent (0: `value` is the model's own)."""
+        self._recent.expire()
+        return len(self._recent.samples)
+
     def _summarise(self, ratios: list[float]) -> float:
         raise NotImplementedError
 

@@ -51,6 +51,20 @@ class PerfModel:
         n, p = float(new_tokens), float(cached_tokens)
         return self.prefill_a * n * n + self.prefill_b * n + self.prefill_c + self.prefill_e * n * p
 
+    def chunked_prefill_s(self, new_tokens: int, cached_tokens: int,
+                          chunk_tokens: int) -> tuple[float, int]:
+        """Seconds to compute `new_tokens` in passes of at most `chunk_tokens` (each pass
+        attends the prefix before it as cached), and the number of passes."""
+        if new_tokens <= 0:
+            return 0.0, 0
+        c = max(1, chunk_tokens)
+        full, rest = divmod(new_tokens, c)
+        # The full passes in closed form: pass i attends cached_tokens + i*c tokens before it.
+        prefix = full * cached_tokens + c * full * (full - 1) / 2
+        total = full * self.prefill_s(c) + self.prefill_e * c * prefix if full else 0.0
+        total += self.prefill_s(rest, cached_tokens + full * c)
+        return total, full + (1 if rest else 0)
+
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """Seconds of one decode step over `batch` sequences attending `context_tokens` in all."""
         if batch <= 0:

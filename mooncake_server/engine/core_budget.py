@@ -107,6 +107,10 @@ class CoreBudget:
         """Engine processes other than this one that have work now."""
         return self._others(1)
 
+    def others_present(self) -> int:
+        """Engine processes other than this one on these cores, busy or not."""
+        return self._others(0)
+
     def enter_step(self) -> int:
         """Wait for this process's turn on the cores, then size its team; returns the threads.
 
@@ -154,6 +158,10 @@ class FixedThreads:
         """Nothing to announce."""
 
     def others_active(self) -> int:
+        """No board: no other engine is known."""
+        return 0
+
+    def others_present(self) -> int:
         """No board: no other engine is known."""
         return 0
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 # Registry (every role -> conductor)
 
@@ -30,6 +30,20 @@ class ConductorInfo(BaseModel):
     url: str  # HTTP base URL (registration, heartbeats, store index reports)
 
 
+class PassSplit(BaseModel):
+    """How a prefill instance with a cost model (--tbt-slo) computes a prompt: passes of
+    `chunk_tokens`, each taking the modelled time x `ratio`; while a decode on the same cores
+    (`shared`) has work, passes of `cut_tokens` taking the modelled time x `cut_ratio`, each
+    after waiting about `wait_s` for the decode's step."""
+
+    chunk_tokens: int = Field(ge=1)
+    cut_tokens: int = Field(ge=1)
+    ratio: float = Field(gt=0)
+    cut_ratio: float = Field(gt=0)
+    wait_s: float = Field(ge=0)
+    shared: bool = False
+
+
 class Heartbeat(BaseModel):
     """Periodic liveness and load report."""
 
@@ -41,6 +55,8 @@ class Heartbeat(BaseModel):
     # the seconds a step waits for the cores first (each the slow tail of the last seconds).
     step_ratio: float | None = None
     wait_s: float | None = None
+    # A prefill instance with a cost model: how its passes go now (TTFT estimates).
+    passes: PassSplit | None = None
 
 
 class StoreLocation(BaseModel):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.prefill.chunk_budget import MIN_CHUNK, ChunkBudget
+from mooncake_server.roles.prefill.worker import HANDOFF_GRACE_S, decode_beside
+from mooncake_server.wire.instances import PassSplit
 
 # A pass: 10 ms + 1 ms per prompt token.
 MODEL = PerfModel(prefill_a=0.0, prefill_b=1e-3, prefill_c=0.01, prefill_e=0.0)
@@ -29,7 +33,7 @@ def test_a_pass_is_sized_to_half_the_tbt_slo_by_its_measured_speed() -> None:
     for _ in range(30):  # this machine runs passes twice as slow as the model
         chunks.observe(tokens=64, cached_tokens=0, compute_s=2 * MODEL.prefill_s(64))
     assert chunks.tokens() == 40  # 2 x (10 + 40) ms = 100 ms
-    clock.now += 11.0  # no pass for the horizon: the model's own times again
+    clock.now += 61.0  # no pass for the horizon: the model's own times again
     assert chunks.tokens() == 90
 
 
@@ -37,3 +41,46 @@ def test_a_slow_machine_still_gets_the_smallest_useful_chunk() -> None:
     chunks = ChunkBudget(256, MODEL, tbt_slo_s=0.02)
     assert chunks.tokens() == MIN_CHUNK
     assert ChunkBudget(8, MODEL, tbt_slo_s=0.02).tokens() == 8  # never above --decode-chunk
+
+
+def test_it_reports_the_passes_a_prompt_would_get_now() -> None:
+    """The conductor's TTFT estimate reads this: chunks, speeds and wait of the passes; cut
+    passes are timed apart from full ones (their fixed cost weighs more)."""
+    clock = Clock()
+    chunks = ChunkBudget(256, MODEL, tbt_slo_s=0.2, clock=clock)
+    for wait in (0.01, 0.03, 0.05, 0.07):  # cut passes beside a decode wait for its steps
+        chunks.observe(64, 0, 2 * MODEL.prefill_s(64), wait_s=wait, beside_decode=True)
+    chunks.observe(1024, 0, MODEL.prefill_s(1024), wait_s=0.0, beside_decode=False)
+    split = chunks.split(shared=True, idle_chunk=2048)
+    assert split is not None and split.shared
+    assert split.chunk_tokens == 2048 and split.cut_tokens == chunks.tokens() < 64
+    assert split.ratio == pytest.approx(1.0)  # the full pass ran as modelled
+    assert split.cut_ratio == pytest.approx(2.0)
+    assert split.wait_s == pytest.approx(0.06)  # the slower half's mean; the full pass left out
+    clock.now += 61.0  # nothing recent: the model's own times, and no wait known
+    assert chunks.split(shared=False, idle_chunk=2048) == PassSplit(
+        chunk_tokens=2048, cut_tokens=90, ratio=1.0, cut_ratio=1.0, wait_s=0.0, shared=False)
+    assert ChunkBudget(256).split(True, 2048) is None  # no --tbt-slo: nothing to report
+
+
+class Board:
+    """Another engine process on the core board: present, busy or not."""
+
+    def __init__(self, present: int, active: int) -> None:
+        self.present, self.active = present, active
+
+    def others_active(self) -> int:
+        return self.active
+
+    def others_present(self) -> int:
+        return self.present
+
+
+def test_passes_are_cut_while_a_decode_takes_the_job_just_answered() -> None:
+    """A pass begun at full size right after a hand-off holds the cores for seconds while the
+    decode that took the job waits for its first step; so the next passes stay cut a moment."""
+    idle_decode = Board(present=1, active=0)
+    assert decode_beside(Board(present=1, active=1), float("-inf"), 100.0)
+    assert decode_beside(idle_decode, 99.5, 100.0)  # answered 0.5 s ago: the decode is starting
+    assert not decode_beside(idle_decode, 100.0 - HANDOFF_GRACE_S, 100.0)  # it never came
+    assert not decode_beside(Board(present=0, active=0), 99.9, 100.0)  # alone on its cores

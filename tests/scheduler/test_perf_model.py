@@ -19,6 +19,19 @@ def test_times_grow_with_work() -> None:
     assert m.transfer_s(1000) == pytest.approx(1000 * m.kv_bytes_per_token / m.transfer_bytes_per_s)
 
 
+@pytest.mark.parametrize(("new", "cached", "chunk"), [
+    (1000, 0, 35), (1000, 200, 1000), (1708, 16, 64), (5, 0, 16), (32, 0, 16), (0, 0, 16)])
+def test_a_chunked_prefill_costs_its_passes(new: int, cached: int, chunk: int) -> None:
+    """Each pass attends the prefix before it: the closed form equals summing the passes."""
+    m = PerfModel()
+    passes = [(min(chunk, new - i), cached + i) for i in range(0, new, chunk)]
+    seconds, n = m.chunked_prefill_s(new, cached, chunk)
+    assert n == len(passes)
+    assert seconds == pytest.approx(sum(m.prefill_s(c, p) for c, p in passes))
+    if n > 1:  # more passes, more fixed cost: cutting a prompt makes it slower
+        assert seconds > m.prefill_s(new, cached)
+
+
 def test_profile_file_round_trip(tmp_path: Path) -> None:
     m = PerfModel(prefill_a=1e-7, prefill_b=2e-3, decode_d1=4e-3, model="tiny", block_tokens=32)
     path = tmp_path / "p.json"

@@ -17,7 +17,7 @@ from mooncake_server.roles.conductor.scheduler.policy import (
     SLORejected,
     judged_tbt,
 )
-from mooncake_server.wire.instances import Heartbeat
+from mooncake_server.wire.instances import Heartbeat, PassSplit
 
 
 class Hits:
@@ -247,3 +247,29 @@ async def test_a_decode_instances_wait_for_the_cores_is_added_to_its_steps() -> 
     s.registry.heartbeat(Heartbeat(instance_id="d1", running=3, step_ratio=1.0, wait_s=0.07))
     with pytest.raises(SLORejected, match="TBT"):  # 40 + 70 ms
         await s.plan(request("r", 100, max_tokens=64), keys(100))
+
+
+async def test_a_prefill_beside_a_busy_decode_is_judged_by_its_own_passes() -> None:
+    """A prefill instance that cuts its passes beside a decode on its cores (--tbt-slo, one
+    machine) says how they go: a prompt that fits the TTFT SLO at full speed is rejected while
+    a decode there has work, since each cut pass waits for a decode step; a one-pass prompt
+    still gets in, estimated exactly, and an idle machine takes the long prompt."""
+    s = scheduler("cache-global", ttft_slo=1.0, prefill=1, decode=1)
+    s.registry.heartbeat(Heartbeat(instance_id="p1", passes=PassSplit(
+        chunk_tokens=2048, cut_tokens=100, ratio=1.0, cut_ratio=1.0, wait_s=0.05, shared=True)))
+    plan = await s.plan(request("alone", 800), keys(800))  # one full pass: 10 + 800 ms
+    assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(0.81)
+    s.first_token("alone")  # it decodes now, beside the next prompts
+    with pytest.raises(SLORejected, match="TTFT"):  # 8 x (10 + 100 + 50 ms) = 1.28 s
+        await s.plan(request("long", 800), keys(800))
+    plan = await s.plan(request("short", 100), keys(100))
+    assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(0.16)
+    # Queued behind it, that estimate counts as it is: the conductor's own calibration of
+    # model-only estimates (here: passes twice as slow) is not applied on top.
+    s.tracker.calibration = lambda instance_id: 2.0  # type: ignore[method-assign]
+    plan = await s.plan(request("next", 100), keys(100))
+    assert plan is not None and plan.prefill_estimate.queue_s == pytest.approx(0.16)
+    for rid in ("alone", "short", "next"):
+        s.release(rid)
+    plan = await s.plan(request("long", 800), keys(800))
+    assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(0.81)

@@ -63,7 +63,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         await starting.join(
             info, busy=lambda: worker.queued > 0, what="prefill jobs",
             load=lambda: Heartbeat(instance_id=instance_id(config), waiting=worker.queued,
-                                   free_blocks=worker.cache.num_available))
+                                   free_blocks=worker.cache.num_available,
+                                   passes=worker.pass_split()))
         await worker.reporter.flush()  # the conductor learns this (empty) cache's epoch
         log.info("prefill instance %s ready", instance_id(config))
 

@@ -7,6 +7,10 @@ TBT SLO, and a request's TBT is the mean of its longest tenth of gaps, so a few 
 enough. With --tbt-slo the chunk is sized instead so that a pass takes at most `PASS_SHARE` of
 the SLO: the cost model's prefill time, calibrated by this instance's own passes (their compute
 time, not the wait for the turn), picks the largest chunk that fits.
+
+What it measured is also what the conductor needs to predict a prompt's TTFT under such cuts
+(`split`): a prompt beside a busy decode is computed in passes of `tokens()`, each at the
+calibrated model's time, and each pass first waits for a decode step to hand the cores back.
 """
 
 from __future__ import annotations
@@ -14,13 +18,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from mooncake_server.cost_model.calibration import DEFAULT_HORIZON_S, SmoothedCalibration
+from mooncake_server.cost_model.calibration import (
+    DEFAULT_HORIZON_S,
+    TailMeanCalibration,
+    TailMeanSeconds,
+)
 from mooncake_server.cost_model.perf_model import PerfModel
+from mooncake_server.wire.instances import PassSplit
 
 # The rest of the SLO is the decode's own step (and the time its batch waits to be sent).
 PASS_SHARE = 0.5
 # Smaller chunks re-read every weight for a few tokens each; below this a prompt crawls.
 MIN_CHUNK = 16
+# How long a pass's measured speed counts: it is the machine's (and its neighbours'), which
+# changes slowly, and prompts may come tens of seconds apart; forgotten after 10 s, most
+# prompts met a cut pass speed never measured.
+SPEED_HORIZON_S = 60.0
 
 
 class ChunkBudget:
@@ -28,25 +41,60 @@ class ChunkBudget:
 
     def __init__(self, cap: int, model: PerfModel | None = None,
                  tbt_slo_s: float | None = None, *, horizon_s: float = DEFAULT_HORIZON_S,
+                 speed_horizon_s: float = SPEED_HORIZON_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cap = cap
         self.model = model if tbt_slo_s is not None else None
         self.budget_s = (tbt_slo_s or 0.0) * PASS_SHARE
-        # NOTE: clamped wider than the conductor's (0.25..8): a machine several times slower
-        # than the built-in profile must still get chunks that fit.
-        self._calibration = SmoothedCalibration(lo=0.05, hi=50.0, horizon_s=horizon_s,
-                                                clock=clock)
 
-    def observe(self, tokens: int, cached_tokens: int, compute_s: float) -> None:
-        """A pass computed `tokens` prompt tokens after `cached_tokens` in `compute_s` seconds."""
+        # NOTE: clamped wider than the conductor's (0.25..8): a machine several times slower
+        # than the built-in profile must still get chunks that fit. The mean of the slower
+        # half, not a moving average from 1.0: a few samples must already count in full.
+        def speed() -> TailMeanCalibration:
+            return TailMeanCalibration(quantile=0.5, window=64, lo=0.05, hi=50.0,
+                                       horizon_s=speed_horizon_s, clock=clock)
+
+        self._calibration = speed()
+        # Cut passes apart: a few dozen tokens each, they weigh the model's per-pass cost much
+        # more than full passes do, and a profile from another machine gets that share wrong
+        # (the built-in one on the AMD machine: full passes 2.2x its times, cut ones 1.5x).
+        self._cut = speed()
+        # A prompt's TTFT sums the waits of all its passes, so their mean matters, not one
+        # pass's worst; the slower half's mean leaves a margin for the decode's batch growing.
+        # They follow the decode's load: the short horizon.
+        self._waits = TailMeanSeconds(quantile=0.5, horizon_s=horizon_s, clock=clock)
+
+    def observe(self, tokens: int, cached_tokens: int, compute_s: float, wait_s: float = 0.0,
+                beside_decode: bool = False) -> None:
+        """A pass computed `tokens` prompt tokens after `cached_tokens` in `compute_s` seconds,
+        having waited `wait_s` for the cores (`beside_decode`: a decode had work meanwhile)."""
         if self.model is not None and tokens > 0:
-            self._calibration.add(compute_s, self.model.prefill_s(tokens, cached_tokens))
+            modelled = self.model.prefill_s(tokens, cached_tokens)
+            if beside_decode:
+                self._cut.add(compute_s, modelled)
+                self._waits.add_seconds(wait_s)
+            else:
+                self._calibration.add(compute_s, modelled)
+
+    def _ratio(self, cut: bool) -> float:
+        """Measured / modelled time of full (or cut) passes; the other kind's if none is recent."""
+        first, other = (self._cut, self._calibration) if cut else (self._calibration, self._cut)
+        return (first if first.recent or not other.recent else other).value
+
+    def split(self, shared: bool, idle_chunk: int) -> PassSplit | None:
+        """How a prompt's passes go, for the conductor's TTFT estimate (None without
+        --tbt-slo). `idle_chunk`: the chunk while no decode on these cores (`shared`) has work."""
+        if self.model is None:
+            return None
+        return PassSplit(chunk_tokens=idle_chunk, cut_tokens=min(idle_chunk, self.tokens()),
+                         ratio=self._ratio(cut=False), cut_ratio=self._ratio(cut=True),
+                         wait_s=self._waits.value, shared=shared)
 
     def tokens(self) -> int:
         """Prompt tokens the next pass may carry while a decode waits for the cores."""
         if self.model is None:
             return self.cap
-        cal = self._calibration.value
+        cal = self._ratio(cut=True)
         lo, hi = MIN_CHUNK, self.cap
         if self.model.prefill_s(lo) * cal >= self.budget_s:
             return min(lo, hi)

@@ -36,7 +36,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.engine.core_budget import machine_cores
+from mooncake_server.engine.core_budget import CoreBudget, FixedThreads, machine_cores
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.logprobs import score_prompt_chunks, token_logprob
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
@@ -48,9 +48,25 @@ from mooncake_server.roles.prefill.kv_stream import LayerStream
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.store_client.kv_link import KVStoreLink
+from mooncake_server.wire.instances import PassSplit
 from mooncake_server.wire.jobs import FirstToken, PrefillJob, PrefillResult
 
 log = logging.getLogger(__name__)
+
+
+# A job answered here is handed to a decode, which takes about this long to start stepping
+# (decode job, KV load). A pass begun meanwhile at full size would hold the cores for seconds
+# while that decode waits for its first step: the replay's longest hand-off gaps (1 s for a
+# 707-token prompt's two tokens, on the 2-core AMD machine).
+HANDOFF_GRACE_S = 1.0
+
+
+def decode_beside(cores: CoreBudget | FixedThreads, answered_at: float, now: float) -> bool:
+    """A decode on these cores has work, or is about to: it takes the job answered at
+    `answered_at` (monotonic seconds)."""
+    if cores.others_active():
+        return True
+    return now - answered_at < HANDOFF_GRACE_S and bool(cores.others_present())
 
 
 class PrefillMetrics:
@@ -92,6 +108,10 @@ class _Task:
     tail_key: str | None = None
     stream: LayerStream | None = None
     started: float = 0.0
+    queued_at: float = field(default_factory=time.perf_counter)
+    passes: int = 0  # forward passes that computed some of its prompt
+    compute_s: float = 0.0  # their compute time
+    wait_s: float = 0.0  # their waits for the cores (a decode's steps beside them)
 
 
 class PrefillWorker:
@@ -113,6 +133,7 @@ class PrefillWorker:
         self._queue: deque[_Task] = deque()
         self._serving: asyncio.Task[None] | None = None
         self.queued = 0
+        self._answered_at = float("-inf")  # monotonic time jobs were last handed on
 
     async def run(self, job: PrefillJob) -> PrefillResult:
         """Prefill one job (batched with the jobs queued beside it)."""
@@ -210,11 +231,17 @@ class PrefillWorker:
             for stream in streams:
                 stream.on_layer(layer)
 
+        beside_decode = self._beside_decode()
         logits = await asyncio.get_running_loop().run_in_executor(
             self.executor, self.runner.step, [it for _, it in items],
             on_layer if streams else None)
         self.chunks.observe(sum(it.num_new for _, it in items),
-                            sum(it.seq.num_computed for _, it in items), self.runner.last_compute_s)
+                            sum(it.seq.num_computed for _, it in items), self.runner.last_compute_s,
+                            self.runner.last_wait_s, beside_decode)
+        for task, _ in items:
+            task.passes += 1
+            task.compute_s += self.runner.last_compute_s
+            task.wait_s += self.runner.last_wait_s
         for stream in streams:
             stream.after_chunk()
         score_prompt_chunks([(it.seq, it.num_new) for _, it in items], logits)
@@ -261,6 +288,7 @@ class PrefillWorker:
                 task.done.set_exception(outcome)
             else:
                 raise outcome  # cancelled: the worker is shutting down
+        self._answered_at = time.monotonic()
 
     async def _fail_all(self, tasks: list[_Task], exc: BaseException) -> None:
         """Abort the store reservations of unanswered jobs, then fail them with `exc`."""
@@ -340,6 +368,11 @@ class PrefillWorker:
         self.metrics.local_tokens.inc(task.hit * bt)
         elapsed = time.perf_counter() - task.started
         self.metrics.seconds.observe(elapsed)
+        # Where a slow TTFT went: queued, computing, or waiting for a decode's steps.
+        log.info("prefilled %s: %d of %d tokens in %d passes, %.2f s after %.2f s queued "
+                 "(compute %.2f s, waits for the cores %.2f s)", task.job.request_id,
+                 n - task.reused * bt, n, task.passes, elapsed, task.started - task.queued_at,
+                 task.compute_s, task.wait_s)
         return PrefillResult(request_id=task.job.request_id, first_token=firsts[0].token_id,
                              cached_tokens=task.reused * bt, tail_key=task.tail_key,
                              block_checksums=checksums, prefill_seconds=elapsed,
@@ -360,14 +393,23 @@ class PrefillWorker:
         threads = self.config.torch_threads
         return self.config.transport == "rdma" or bool(threads and threads < machine_cores())
 
+    def pass_split(self) -> PassSplit | None:
+        """How a prompt is computed here (heartbeats; None without --tbt-slo)."""
+        return self.chunks.split(bool(self.runner.cores.others_present()),
+                                 self.config.prefill_chunk_tokens)
+
+    def _beside_decode(self) -> bool:
+        return decode_beside(self.runner.cores, self._answered_at, time.monotonic())
+
     def _chunk_tokens(self) -> int:
-        """--prefill-chunk, or while another engine on these cores has work, the chunk that
-        keeps its token gaps short (--decode-chunk; with --tbt-slo, sized to fit it).
+        """--prefill-chunk, or while another engine on these cores has work (or is about to
+        take a job just answered), the chunk that keeps its token gaps short (--decode-chunk;
+        with --tbt-slo, sized to fit it).
 
         A chunk's thread team is sized when it starts; short chunks let this prefill hand
         cores back soon after a decode beside it wakes (no long oversubscribed stretch).
         """
-        if self.runner.cores.others_active():
+        if self._beside_decode():
             return min(self.config.prefill_chunk_tokens, self.chunks.tokens())
         return self.config.prefill_chunk_tokens
 

@@ -4,6 +4,11 @@ TTFT on a prefill instance = queue time (its queued prefill estimates) + transfe
 cached prefix it lacks locally (bytes / bandwidth) + prefill time of the tokens nobody cached.
 Fetching a remote prefix is chosen only when it is cheaper than recomputing those tokens.
 TBT on a decode instance = the step time of its batch once this request joins it.
+A prefill instance that reports how its passes go (PassSplit, with --tbt-slo) is judged pass by
+pass (`Passes`) instead of by the conductor's own calibration: beside a busy decode on the same
+cores its prompts are cut into short passes that each wait for a decode step, so a long prompt
+took two to four times its modelled time (the replay on the 2-core AMD machine) while a short
+one did not, which one smoothed factor per instance cannot tell apart.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ class PrefillEstimate(NamedTuple):
     fetched_tokens: int  # of those, moved from a remote store node
     # The factor compute_s was scaled by: calibrations age, so a later read may differ.
     calibration: float = 1.0
+    # compute_s came from the instance's own PassSplit: the conductor's calibration is not
+    # applied to it again.
+    split: bool = False
 
 
 def reusable_blocks(prompt_tokens: int, block_tokens: int) -> int:
@@ -33,9 +41,29 @@ def reusable_blocks(prompt_tokens: int, block_tokens: int) -> int:
     return max(0, (prompt_tokens - 1) // block_tokens)
 
 
+class Passes(NamedTuple):
+    """How a prompt is computed: passes of `chunk_tokens`, each the modelled time x `ratio`
+    after waiting `wait_s` for the cores."""
+
+    chunk_tokens: int
+    ratio: float
+    wait_s: float = 0.0
+
+
+def prefill_compute_s(model: PerfModel, new_tokens: int, cached_tokens: int, *,
+                      calibration: float = 1.0, passes: Passes | None = None) -> float:
+    """Prefill time of `new_tokens` after `cached_tokens`: the model x `calibration`, or with
+    the instance's `passes`, pass by pass (its own ratio, and each pass's wait for the cores)."""
+    if passes is None:
+        return model.prefill_s(new_tokens, cached_tokens) * calibration
+    modelled, n = model.chunked_prefill_s(new_tokens, cached_tokens, passes.chunk_tokens)
+    return modelled * passes.ratio + n * passes.wait_s
+
+
 def estimate_prefill(model: PerfModel, instance_id: str, prompt_tokens: int, *,
                      local_tokens: int, remote_tokens: int, queue_s: float,
-                     calibration: float = 1.0) -> PrefillEstimate:
+                     calibration: float = 1.0,
+                     passes: Passes | None = None) -> PrefillEstimate:
     """TTFT if `instance_id` serves a prompt of `prompt_tokens`.
 
     Args:
@@ -43,17 +71,25 @@ def estimate_prefill(model: PerfModel, instance_id: str, prompt_tokens: int, *,
         remote_tokens: cached prefix available elsewhere (the global store); 0 = local only.
         queue_s: time before the instance can start (already calibrated).
         calibration: measured / modelled prefill time on this instance.
+        passes: the instance's own account of its passes; replaces `calibration` when given.
     """
     local = min(local_tokens, prompt_tokens)
     remote = min(max(remote_tokens, local), prompt_tokens)
-    stay = model.prefill_s(prompt_tokens - local, local) * calibration
+    if passes is not None:
+        calibration = 1.0
+
+    def compute(new: int, cached: int) -> float:
+        return prefill_compute_s(model, new, cached, calibration=calibration, passes=passes)
+
+    stay = compute(prompt_tokens - local, local)
     fetch_transfer = model.transfer_s(remote - local)
-    fetch = fetch_transfer + model.prefill_s(prompt_tokens - remote, remote) * calibration
+    fetch = fetch_transfer + compute(prompt_tokens - remote, remote)
+    split = passes is not None
     if remote > local and fetch < stay:
         return PrefillEstimate(instance_id, queue_s + fetch, queue_s, fetch_transfer,
-                               fetch - fetch_transfer, remote, remote - local, calibration)
+                               fetch - fetch_transfer, remote, remote - local, calibration, split)
     return PrefillEstimate(instance_id, queue_s + stay, queue_s, 0.0, stay, local, 0,
-                           calibration)
+                           calibration, split)
 
 
 def estimate_tbt(model: PerfModel, load: DecodeLoad, context_tokens: int) -> float:

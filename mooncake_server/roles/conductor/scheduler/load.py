@@ -41,6 +41,9 @@ class _PrefillEntry:
     request_id: str
     estimate_s: float  # uncalibrated model estimate
     assigned_at: float
+    # estimate_s came from the instance's own account of its passes (PassSplit): it is not
+    # calibrated again, and it does not calibrate the model-only estimates either.
+    own_split: bool = False
 
 
 @dataclass
@@ -127,10 +130,10 @@ class LoadTracker:
         inst.last_done_at = float("-inf")
 
     def assign(self, request_id: str, prefill_id: str, prefill_estimate_s: float,
-               decode_id: str, context_tokens: int) -> None:
+               decode_id: str, context_tokens: int, *, own_split: bool = False) -> None:
         """A request was placed: queue its prefill, count it in its decode batch."""
         self._get(prefill_id).prefill.append(
-            _PrefillEntry(request_id, prefill_estimate_s, self._clock()))
+            _PrefillEntry(request_id, prefill_estimate_s, self._clock(), own_split))
         self._prefill_of[request_id] = prefill_id
         self._get(decode_id).decode[request_id] = context_tokens
         self._decode_of[request_id] = decode_id
@@ -146,7 +149,9 @@ class LoadTracker:
         for i, entry in enumerate(inst.prefill):
             if entry.request_id == request_id:
                 p = inst.open_pass
-                if p is not None and now - p.ended <= SAME_PASS_S:
+                if entry.own_split:
+                    self._close_pass(inst)
+                elif p is not None and now - p.ended <= SAME_PASS_S:
                     p.estimate_s += entry.estimate_s
                     p.ended = now
                 else:
@@ -248,7 +253,8 @@ class LoadTracker:
         """Seconds until this instance could start a new prefill (calibrated)."""
         inst = self._instances.get(instance_id)
         cal = self.calibration(instance_id)
-        queue = [e.estimate_s * cal for e in inst.prefill] if inst else []
+        queue = [e.estimate_s * (1.0 if e.own_split else cal) for e in inst.prefill] \
+            if inst else []
         total = sum(queue)
         if inst and inst.prefill:
             head = inst.prefill[0]

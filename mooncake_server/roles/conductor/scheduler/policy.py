@@ -33,6 +33,7 @@ from mooncake_server.api.backend import BackendError, GenerateRequest
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.conductor.scheduler.estimators import (
+    Passes,
     PrefillEstimate,
     estimate_prefill,
     estimate_tbt,
@@ -44,7 +45,7 @@ from mooncake_server.roles.conductor.scheduler.oracle import (
     NoPrefixOracle,
     PrefixOracle,
 )
-from mooncake_server.wire.instances import InstanceInfo
+from mooncake_server.wire.instances import InstanceInfo, PassSplit
 from mooncake_server.wire.jobs import Reuse
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,8 @@ class KVCacheScheduler:
             # The ledger stores the uncalibrated estimate; it applies the calibration itself.
             uncalibrated = est.compute_s / est.calibration + est.transfer_s
             self.tracker.assign(request.request_id, est.instance_id, uncalibrated,
-                                plan.decode.instance_id, len(request.prompt_token_ids))
+                                plan.decode.instance_id, len(request.prompt_token_ids),
+                                own_split=est.split)
         return plan
 
     def decide(self, request: GenerateRequest, hits: dict[str, int]) -> Plan | None:
@@ -145,7 +147,8 @@ class KVCacheScheduler:
         if not prefills or not decodes:
             return None
         n = len(request.prompt_token_ids)
-        estimates = [self._estimate(info, n, hits) for info in prefills]
+        busy_step = self._busiest_decode_step(decodes)
+        estimates = [self._estimate(info, n, hits, busy_step) for info in prefills]
         choices = [self._decode_choice(info, request) for info in decodes]
         if self.policy is Policy.RANDOM:
             best_p = self._rng.choice(estimates)
@@ -156,6 +159,12 @@ class KVCacheScheduler:
             best_p = min(estimates, key=lambda e: (e.ttft_s, e.instance_id))
         best_d = self._best_decode(choices)
         self._check_slos(request, best_p, best_d)
+        # One line per placement: with the client's TTFT / TBT it tells a misjudged admission
+        # (estimate under the SLO, measurement over it) from an overloaded one.
+        log.info("placing %s (%d prompt tokens, %d reused) on %s / %s: estimated TTFT %.2f s "
+                 "(queue %.2f s), TBT %.0f ms", request.request_id, n, best_p.reused_tokens,
+                 best_p.instance_id, best_d.info.instance_id, best_p.ttft_s, best_p.queue_s,
+                 best_d.tbt_s * 1000)
         prefill = next(i for i in prefills if i.instance_id == best_p.instance_id)
         reuse = ("global" if self.policy is Policy.CACHE_GLOBAL and best_p.fetched_tokens
                  else "local")
@@ -171,8 +180,30 @@ class KVCacheScheduler:
         fitting = [c for c in choices if c.fits] or choices
         return min(fitting, key=lambda c: (c.tbt_s, c.info.instance_id))
 
+    def _busiest_decode_step(self, decodes: list[InstanceInfo]) -> float:
+        """The modelled step of the largest decode batch now (0.0 when every decode idles)."""
+        steps = [0.0]
+        for info in decodes:
+            load = self.tracker.decode_load(info.instance_id, self.registry.load(info.instance_id))
+            steps.append(self.model.decode_step_s(load.batch, load.context_tokens))
+        return max(steps)
+
+    def _passes(self, instance_id: str, split: PassSplit | None, busy_step: float) -> Passes | None:
+        """How a prompt placed now on the instance will be computed, by its own account.
+
+        Its passes are cut while a decode on its cores has work: one does now (`busy_step`), or
+        the jobs queued ahead of this one hand theirs on while it waits. Each cut pass waits
+        for a decode step, at least the modelled step of the largest batch.
+        """
+        if split is None:
+            return None
+        queued = self.tracker.prefill_queue_len(instance_id, self.registry.load(instance_id))
+        if split.shared and (busy_step > 0 or queued > 0):
+            return Passes(split.cut_tokens, split.cut_ratio, max(split.wait_s, busy_step))
+        return Passes(split.chunk_tokens, split.ratio)
+
     def _estimate(self, info: InstanceInfo, prompt_tokens: int,
-                  hits: dict[str, int]) -> PrefillEstimate:
+                  hits: dict[str, int], busy_step: float) -> PrefillEstimate:
         bt = self.block_tokens
         cap = reusable_blocks(prompt_tokens, bt)
         local = min(hits.get(info.instance_id, 0), cap) * bt
@@ -184,7 +215,9 @@ class KVCacheScheduler:
         return estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
                                 remote_tokens=remote,
                                 queue_s=self.tracker.prefill_queue_s(iid, beat),
-                                calibration=self.tracker.calibration(iid))
+                                calibration=self.tracker.calibration(iid),
+                                passes=self._passes(iid, beat.passes if beat else None,
+                                                    busy_step))
 
     def _decode_choice(self, info: InstanceInfo, request: GenerateRequest) -> _DecodeChoice:
         beat = self.registry.load(info.instance_id)
