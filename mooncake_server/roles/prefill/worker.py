@@ -151,6 +151,9 @@ class PrefillWorker:
             self.queued -= 1
             if not self.queued:
                 self.runner.cores.set_active(False)
+                # NOTE: the hand-off grace is for jobs already waiting when one is answered; a
+                # prompt that comes later (the next turn of a chat) runs at full speed.
+                self._answered_at = float("-inf")
 
     async def _serve(self) -> None:
         """Batches until the queue is empty."""
