@@ -45,7 +45,7 @@ from mooncake_server.roles.conductor.scheduler.oracle import (
     NoPrefixOracle,
     PrefixOracle,
 )
-from mooncake_server.wire.instances import InstanceInfo, PassSplit
+from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 from mooncake_server.wire.jobs import Reuse
 
 log = logging.getLogger(__name__)
@@ -188,16 +188,18 @@ class KVCacheScheduler:
             steps.append(self.model.decode_step_s(load.batch, load.context_tokens))
         return max(steps)
 
-    def _passes(self, instance_id: str, split: PassSplit | None, busy_step: float) -> Passes | None:
+    def _passes(self, instance_id: str, beat: Heartbeat | None,
+                busy_step: float) -> Passes | None:
         """How a prompt placed now on the instance will be computed, by its own account.
 
         Its passes are cut while a decode on its cores has work: one does now (`busy_step`), or
         the jobs queued ahead of this one hand theirs on while it waits. Each cut pass waits
         for a decode step, at least the modelled step of the largest batch.
         """
+        split = beat.passes if beat is not None else None
         if split is None:
             return None
-        queued = self.tracker.prefill_queue_len(instance_id, self.registry.load(instance_id))
+        queued = self.tracker.prefill_queue_len(instance_id, beat)
         if split.shared and (busy_step > 0 or queued > 0):
             return Passes(split.cut_tokens, split.cut_ratio, max(split.wait_s, busy_step))
         return Passes(split.chunk_tokens, split.ratio)
@@ -216,8 +218,7 @@ class KVCacheScheduler:
                                 remote_tokens=remote,
                                 queue_s=self.tracker.prefill_queue_s(iid, beat),
                                 calibration=self.tracker.calibration(iid),
-                                passes=self._passes(iid, beat.passes if beat else None,
-                                                    busy_step))
+                                passes=self._passes(iid, beat, busy_step))
 
     def _decode_choice(self, info: InstanceInfo, request: GenerateRequest) -> _DecodeChoice:
         beat = self.registry.load(info.instance_id)
