@@ -62,7 +62,6 @@ class CoreBudget:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         self._alive: dict[int, bool] = {}
         self._checked_at = 0.0
-        self._threads = 0
         self._active = 0
         self._waiting = 0
         log.info("core budget %d shared through %s (slot %d)", self.budget, path, self._slot)
@@ -130,9 +129,10 @@ class CoreBudget:
         _LAST.pack_into(self._map, _SLOTS * _SLOT.size, self.pid)
         self._waiting = 0
         self._write_slot()
-        if self._threads != self.budget:
+        # NOTE: the calling thread's own team size: setting it also sets the size new threads
+        # take, which the event loop has set to 1 (forward_thread.py).
+        if torch.get_num_threads() != self.budget:
             torch.set_num_threads(self.budget)
-            self._threads = self.budget
         return self.budget
 
     def exit_step(self) -> None:
@@ -176,16 +176,6 @@ class FixedThreads:
 
     def close(self) -> None:
         """Nothing held."""
-
-
-def no_team_on_this_thread() -> None:
-    """Run torch ops of the calling thread (the event loop's sampling) on that thread alone.
-
-    OpenMP keeps one worker pool per thread that starts parallel work; a second pool, woken by
-    each token's argmax on the event loop, spun beside the forward thread's pool and slowed the
-    forward passes. The forward thread sets its own team in `enter_step`.
-    """
-    torch.set_num_threads(1)
 
 
 def _pid_alive(pid: int) -> bool:

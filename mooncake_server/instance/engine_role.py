@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.engine.core_budget import no_team_on_this_thread
 from mooncake_server.engine.factory import ModelInfo, build_runner
+from mooncake_server.engine.forward_thread import (
+    forward_thread,
+    no_team_on_this_thread,
+    on_forward_thread,
+)
 from mooncake_server.engine.model_runner import ModelRunner
 from mooncake_server.instance.app import Starting
 from mooncake_server.store_client.kv_link import KVStoreLink
@@ -63,12 +66,12 @@ async def start_engine(starting: Starting, name: str) -> EngineParts:
     """Build the engine parts of role `name`; they close, at shutdown, in the reverse order
     (store link, control client, forward thread, core budget, transfer engine last)."""
     config, stack = starting.config, starting.stack
-    no_team_on_this_thread()  # the event loop samples; the forward thread computes
     engine = make_transfer_engine(config, serve=False)
     stack.callback(engine.close)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-forward")
-    runner, info = await asyncio.to_thread(
-        build_runner, config, lambda nbytes: engine.alloc_shared(f"{name}-kv", nbytes))
+    executor = forward_thread(name)
+    runner, info = await on_forward_thread(
+        executor, build_runner, config, lambda nbytes: engine.alloc_shared(f"{name}-kv", nbytes))
+    no_team_on_this_thread()  # the event loop samples; the forward thread computes
     stack.callback(runner.cores.close)
     stack.callback(executor.shutdown, wait=True)
     http = internal_client(config)

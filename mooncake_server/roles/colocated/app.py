@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -19,8 +18,8 @@ from mooncake_server.api.limits import RequestLimits
 from mooncake_server.api.openai_app import install_api
 from mooncake_server.api.prompts import load_eos_token_ids
 from mooncake_server.config import ServerConfig
-from mooncake_server.engine.core_budget import no_team_on_this_thread
 from mooncake_server.engine.factory import build_runner
+from mooncake_server.engine.forward_thread import forward_thread, no_team_on_this_thread
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
 from mooncake_server.instance.app import Starting, instance_app
 from mooncake_server.model_assets import resolve_model, served_name
@@ -35,17 +34,19 @@ def build_app(config: ServerConfig) -> FastAPI:
     engine_metrics = EngineMetrics(registry)
     # The model path is resolved now (converting the bundled model if needed), because the API
     # routes need the tokenizer before the app starts.
-    model_path = resolve_model(config.model)
+    # Converting it and loading the model run on the forward thread, as every pass will.
+    executor = forward_thread("colocated")
+    model_path = executor.submit(resolve_model, config.model).result()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    runner, info = build_runner(config.replace(model=model_path),
-                                lambda nbytes: bytearray(nbytes))
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colocated-forward")
+    runner, info = executor.submit(build_runner, config.replace(model=model_path),
+                                   lambda nbytes: bytearray(nbytes)).result()
+    no_team_on_this_thread()  # the event loop samples; the forward thread computes
     loop = EngineLoop(runner, executor, engine_metrics, config.max_batch_size,
                       config.prefill_chunk_tokens, config.decode_chunk_tokens)
     backend = LocalEngineBackend(loop, info.max_model_len)
 
     async def start(starting: Starting) -> None:
-        no_team_on_this_thread()  # the event loop samples; the forward thread computes
+        no_team_on_this_thread()  # the event loop's own thread, whichever runs it
         stack = starting.stack
         stack.callback(runner.cores.close)
         stack.push_async_callback(asyncio.to_thread, executor.shutdown, True)
