@@ -89,6 +89,20 @@ def _gather(plan: AttentionPlan, runs: torch.Tensor, n: int, layer: int, head_di
     return picked.view(2, n, plan.kv_heads, -1, head_dim)
 
 
+def _decode(plan: AttentionPlan, d: DecodeBatch, layer: int, q: torch.Tensor, scale: float,
+            ) -> torch.Tensor:
+    """Attention of the decoding rows q [B, heads, d] over their context: [B, heads, d]."""
+    b, heads, head_dim = q.shape
+    kv = _gather(plan, d.ctx_runs, b, layer, head_dim)
+    # Query head h reads KV head h // group, as in HF's repeat_kv.
+    qg = q.view(b, plan.kv_heads, heads // plan.kv_heads, head_dim)
+    scores = torch.matmul(qg, kv[0].transpose(-1, -2)).float() * scale
+    if d.bias is not None:
+        scores += d.bias
+    weights = scores.softmax(-1).to(q.dtype)
+    return torch.matmul(weights, kv[1]).view(b, heads, head_dim)
+
+
 def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            scale: float) -> torch.Tensor:
     """Write layer `layer`'s new K/V [T, kv_heads, d] to the pool; attend q [T, heads, d] -> same."""
@@ -105,18 +119,12 @@ def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v:
         plan.on_layer(layer)
 
     gqa = heads != kv_heads
-    out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     d = plan.decode
+    if d is not None and not plan.prompts:  # decode only: the batched result is the output
+        return _decode(plan, d, layer, q, scale)
+    out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     if d is not None:
-        b = d.size
-        kv = _gather(plan, d.ctx_runs, b, layer, head_dim)
-        # Query head h reads KV head h // group, as in HF's repeat_kv.
-        qg = q[:b].view(b, kv_heads, heads // kv_heads, head_dim)
-        scores = torch.matmul(qg, kv[0].transpose(-1, -2)).float() * scale
-        if d.bias is not None:
-            scores += d.bias
-        weights = scores.softmax(-1).to(q.dtype)
-        out[:b] = torch.matmul(weights, kv[1]).view(b, heads, head_dim)
+        out[:d.size] = _decode(plan, d, layer, q[:d.size], scale)
     for p in plan.prompts:
         sl = slice(p.q_start, p.q_start + p.q_len)
         qp = q[sl].transpose(0, 1).unsqueeze(0)

@@ -110,6 +110,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: PagedKVCache,
                  cores: CoreBudget | FixedThreads | None = None) -> None:
         self.model = packed_forward(model)
+        if isinstance(self.model, LlamaStack):
+            self.model.bind()  # the kernels are final now
         self.kv = kv
         self.layout: KVLayout = kv.layout
         self.cores = cores or FixedThreads(None)
