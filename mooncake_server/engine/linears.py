@@ -1,7 +1,7 @@
 """Faster kernels for a model's linear layers, chosen for the CPU at hand; the math stays HF's.
 
 Decode reads every weight once per step, so its speed is bytes per token; prefill is GEMM-bound.
-Two replacements of `nn.Linear`, applied to every linear of the loaded model (lm_head included):
+Replacements of `nn.Linear`, applied to every linear of the loaded model:
 
 - `PackedBF16Linear` (bfloat16 on CPUs with AMX/AVX512-BF16): the weight is reordered once into
   oneDNN's blocked layout. A plain bf16 `F.linear` reorders it on every call, which made one-token
@@ -11,6 +11,8 @@ Two replacements of `nn.Linear`, applied to every linear of the loaded model (lm
   activations quantized per call: a quarter of fp32's weight bytes on CPUs where bf16 is slow.
   Its activation scale is taken over the whole packed batch, so a token's logits can move by
   rounding with what shares its step; greedy output is compared with HF running the same module.
+  The output projection (lm_head) is the exception: it keeps 16-bit weights (`Fp16WeightLinear`,
+  see `OUTPUT_PROJECTION`).
 
 `--dtype auto` (float32 activations and KV) gives each linear the kernel measured fastest for
 the pass at hand (kernel_choice.py): `BatchSizedLinear` switches between two by the rows of the
@@ -70,7 +72,7 @@ class Int8Linear(nn.Module):
     """fbgemm's dynamic int8 linear, called straight: torch.ao's module around the same op.
 
     torch.ao's module checks its dtype and version and goes through the op's Python overload
-    resolution on every call: a one-token step runs 121 linears, and that Python took 0.7 ms
+    resolution on every call: a one-token step runs 121 linears, and that Python took 1.7 ms
     of a 16 ms step. The output is the same op's, bit for bit.
     """
 
@@ -84,7 +86,13 @@ class Int8Linear(nn.Module):
         return _LINEAR_DYNAMIC(x, self.packed, True)
 
 
-_LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
+def _raw_op(overload: object) -> Callable[..., torch.Tensor]:
+    """The C++ function behind an op overload: skips the Python wrapper's per-call check for
+    fake script objects (~7 us a call, taken because the packed weights are one)."""
+    return getattr(overload, "_op", overload)  # type: ignore[return-value]
+
+
+_LINEAR_DYNAMIC = _raw_op(torch.ops.quantized.linear_dynamic.default)
 
 
 def int8_linear(linear: nn.Linear) -> nn.Module:
@@ -102,11 +110,53 @@ def int8_linear(linear: nn.Linear) -> nn.Module:
         return Int8Linear(DynamicInt8Linear.from_float(linear))
 
 
+class Fp16WeightLinear(nn.Module):
+    """fbgemm's linear over float16 weights: float32 activations, half the weight bytes.
+
+    For the output projection, where int8 fails (see `OUTPUT_PROJECTION`): its error against
+    float32 is ~2e-4 (relative L2), and a one-row call over SmolLM2's vocabulary takes about
+    half of float32's time.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 in, float32 out."""
+        return _LINEAR_DYNAMIC_FP16(x, self.packed)
+
+
+_LINEAR_DYNAMIC_FP16 = _raw_op(torch.ops.quantized.linear_dynamic_fp16.default)
+
+
+def fp16_weights_supported() -> bool:
+    """fbgemm (x86 with AVX2 and F16C) runs float16-weight linears here."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
 KERNELS: dict[str, Callable[[nn.Linear], nn.Module]] = {
     "float32": lambda linear: linear,
     "bfloat16": FloatBF16Linear,
     "int8": int8_linear,
+    "fp16-weights": Fp16WeightLinear,
 }
+
+# The output projection's input (the final norm's output) carries a few channels far larger
+# than the rest, and int8 quantizes a call's activations with one scale: on the README question
+# the int8 lm_head's logits were off by 53% (relative L2) and, after bf16 prompt layers, its
+# first token was wrong ("L'Étoile" for "The capital"). LLM quantizers (GPTQ, AWQ) keep the
+# lm_head unquantized for the same reason; here it keeps 16-bit weights instead of int8.
+OUTPUT_PROJECTION = "lm_head"
+
+
+def output_kernel(kernel: str) -> str:
+    """The kernel the output projection runs where the others run `kernel`."""
+    if kernel != "int8":
+        return kernel
+    return "fp16-weights" if fp16_weights_supported() else "float32"
 
 
 class BatchSizedLinear(nn.Module):
@@ -140,19 +190,26 @@ def direct_call(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def apply_kernels(model: nn.Module, choice: KernelChoice) -> int:
     """Give every nn.Linear of `model` the kernels `choice` names; returns how many."""
-    if choice.small == choice.large:
-        return _replace_linears(model, KERNELS[choice.small])
-    return _replace_linears(model, lambda lin: BatchSizedLinear(
-        KERNELS[choice.small](lin), KERNELS[choice.large](lin), choice.up_to))
+
+    def make(linear: nn.Linear, output: bool) -> nn.Module:
+        small, large = choice.small, choice.large
+        if output:
+            small, large = output_kernel(small), output_kernel(large)
+        if small == large:
+            return KERNELS[small](linear)
+        return BatchSizedLinear(KERNELS[small](linear), KERNELS[large](linear), choice.up_to)
+
+    return _replace_linears(model, make)
 
 
-def _replace_linears(model: nn.Module, make: type[nn.Module] | object) -> int:
-    """Swap every nn.Linear for `make(linear)`; returns how many were swapped."""
+def _replace_linears(model: nn.Module, make: Callable[[nn.Linear, bool], nn.Module]) -> int:
+    """Swap every nn.Linear for `make(linear, is the output projection)`; returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, make(child))  # type: ignore[operator]
+                output = parent is model and name == OUTPUT_PROJECTION
+                setattr(parent, name, make(child, output))
                 count += 1
     return count
 
@@ -169,13 +226,18 @@ def prepare_linears(model: nn.Module, dtype: torch.dtype, quantization: str,
         linears = [m for m in model.modules() if type(m) is nn.Linear]
         choice = measure(linears)
         n = apply_kernels(model, choice)
-        return f"{n} linears measured fastest: {choice.describe()}"
+        output = {output_kernel(choice.small), output_kernel(choice.large)}
+        held = "" if output <= {choice.small, choice.large} else (
+            f"; {OUTPUT_PROJECTION} {'/'.join(sorted(output))} where they run int8")
+        return f"{n} linears measured fastest: {choice.describe()}{held}"
     if quantization == "int8":
         if dtype != torch.float32:
             raise ValueError("--quantization int8 needs --dtype float32 (activations stay fp32)")
-        _replace_linears(model, int8_linear)
-        return "int8 dynamic linears (fbgemm, per-channel weights)"
+        _replace_linears(model, lambda lin, output: KERNELS[
+            output_kernel("int8") if output else "int8"](lin))
+        return (f"int8 dynamic linears (fbgemm, per-channel weights); {OUTPUT_PROJECTION} "
+                f"{output_kernel('int8')}")
     if dtype == torch.bfloat16 and bf16_packing_supported():
-        n = _replace_linears(model, PackedBF16Linear)
+        n = _replace_linears(model, lambda lin, output: PackedBF16Linear(lin))
         return f"{n} bf16 linears prepacked for oneDNN"
     return "plain linears"

@@ -22,9 +22,12 @@ from mooncake_server.engine.kernel_choice import (
 from mooncake_server.engine.linears import (
     KERNELS,
     BatchSizedLinear,
+    Int8Linear,
     apply_kernels,
     bf16_packing_supported,
+    fp16_weights_supported,
     int8_linear,
+    prepare_linears,
 )
 
 AMX = "processor : 0\nmodel name : Intel(R) Xeon(R) Platinum 8480+\nflags : fpu sse2 avx2 " \
@@ -167,3 +170,34 @@ def test_int8_kernel_stays_within_the_error_bound() -> None:
     assert errors["float32"] == 0.0 and 0 < errors["int8"] < MAX_KERNEL_ERROR
     choice = choose_kernels({"float32": {1: 1.0}, "int8": {1: 0.4}})
     assert faithful_choice(choice, errors) is choice
+
+
+class _WithHead(torch.nn.Module):
+    """A layer and an output projection, named as in a causal LM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(64, 64)
+        self.lm_head = torch.nn.Linear(64, 512, bias=False)
+
+
+@pytest.mark.skipif(not fp16_weights_supported(), reason="fbgemm is not built in here")
+@pytest.mark.parametrize("large", ["int8", "float32"])
+def test_the_output_projection_never_runs_int8(large: str) -> None:
+    """Its input has a few channels far above the rest, and int8's one activation scale per
+    call turned the README question's first token wrong: the lm_head keeps 16-bit weights."""
+    model = _WithHead()
+    head = copy.deepcopy(model.lm_head)
+    apply_kernels(model, choose_kernels({"float32": {1: 1.0, 256: 1.0},
+                                         "int8": {1: 0.3, 256: 0.5 if large == "int8" else 2.0}}))
+    assert isinstance(model.layer, (Int8Linear, BatchSizedLinear))
+    x = torch.randn(3, 64)
+    x[:, 5] = 40.0  # an outlier channel, as the final norm's output has
+    for rows in (x[:1], x):
+        with torch.no_grad():
+            exact = head(rows)
+            err = float((model.lm_head(rows) - exact).norm() / exact.norm())
+            int8 = int8_linear(copy.deepcopy(head))(rows)
+        assert err < 1e-3
+        assert float((int8 - exact).norm() / exact.norm()) > 10 * err  # what it would have been
+    assert "fp16-weights" in prepare_linears(_WithHead(), torch.float32, "int8")
