@@ -35,7 +35,8 @@ class PromptSlice:
 
     q_start: int
     q_len: int
-    # Cached context only: `head_runs` rows of the context at layer 0, and the causal mask.
+    # Cached context only: [layers, n] `head_runs` rows of the context per layer, and the
+    # causal mask.
     ctx_runs: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
@@ -45,8 +46,8 @@ class DecodeBatch:
     """The decoding sequences of a pass: its first `size` rows, one token each."""
 
     size: int
-    # [2 * size * kv_heads * blocks] long `head_runs` rows at layer 0, ordered (K|V, seq, head,
-    # block); short tables padded with a valid block
+    # [layers, 2 * size * kv_heads * blocks] long `head_runs` rows per layer, ordered (K|V, seq,
+    # head, block); short tables padded with a valid block
     ctx_runs: torch.Tensor
     bias: torch.Tensor | None  # [size, 1, 1, blocks * block_tokens] 0 / -inf; None: no padding
 
@@ -68,7 +69,9 @@ class AttentionPlan:
     head_runs: torch.Tensor  # [num_blocks * layers * 2 * kv_heads, block_tokens * head_dim]
     block_tokens: int
     kv_heads: int
-    slot_rows: torch.Tensor  # [T * kv_heads] long: `head_rows` row of a new token head's K, l=0
+    # [layers, 2, T * kv_heads] long: `head_rows` row of each new token head's K, then V, per
+    # layer (built once per pass: indexing a layer's row is cheaper than adding its offset)
+    slot_rows: torch.Tensor
     decode: DecodeBatch | None
     prompts: list[PromptSlice]
     # Called with the layer index once that layer's new K/V are in the pool (layer-wise KV
@@ -82,18 +85,22 @@ def causal_mask(q_len: int, ctx_len: int, padded_len: int) -> torch.Tensor:
     return torch.arange(padded_len)[None, :] <= q_pos
 
 
-def _gather(plan: AttentionPlan, runs: torch.Tensor, n: int, layer: int, head_dim: int,
-            ) -> torch.Tensor:
-    """K and V of context `runs` at `layer` as [2, n, kv_heads, tokens, head_dim] (one copy)."""
-    picked = plan.head_runs.index_select(0, runs + layer * 2 * plan.kv_heads)
-    return picked.view(2, n, plan.kv_heads, -1, head_dim)
+def per_layer(rows: torch.Tensor, layers: int, stride: int) -> torch.Tensor:
+    """[layers, *rows.shape]: `rows` (layer 0's indices) offset by `stride` per layer."""
+    offsets = torch.arange(layers) * stride
+    return rows.unsqueeze(0) + offsets.view(layers, *([1] * rows.dim()))
+
+
+def _gather(plan: AttentionPlan, runs: torch.Tensor, n: int, head_dim: int) -> torch.Tensor:
+    """K and V of context `runs` (one layer's) as [2, n, kv_heads, tokens, head_dim] (one copy)."""
+    return plan.head_runs.index_select(0, runs).view(2, n, plan.kv_heads, -1, head_dim)
 
 
 def _decode(plan: AttentionPlan, d: DecodeBatch, layer: int, q: torch.Tensor, scale: float,
             ) -> torch.Tensor:
     """Attention of the decoding rows q [B, heads, d] over their context: [B, heads, d]."""
     b, heads, head_dim = q.shape
-    kv = _gather(plan, d.ctx_runs, b, layer, head_dim)
+    kv = _gather(plan, d.ctx_runs[layer], b, head_dim)
     # Query head h reads KV head h // group, as in HF's repeat_kv.
     qg = q.view(b, plan.kv_heads, heads // plan.kv_heads, head_dim)
     scores = torch.matmul(qg, kv[0].transpose(-1, -2)).float() * scale
@@ -108,13 +115,11 @@ def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     """Write layer `layer`'s new K/V [T, kv_heads, d] to the pool; attend q [T, heads, d] -> same."""
     tokens, kv_heads, head_dim = k.shape
     heads = q.shape[1]
-    run = kv_heads * plan.block_tokens  # head_rows between one layer's K and its V
-    rows = plan.head_rows
+    rows, slots = plan.head_rows, plan.slot_rows[layer]
     # NOTE: index_copy_ on the contiguous row view writes only the new slots; indexing the
     # strided [blocks, layer, ...] view instead would copy the whole pool per layer.
-    rows.index_copy_(0, plan.slot_rows + 2 * layer * run, k.reshape(tokens * kv_heads, head_dim))
-    rows.index_copy_(0, plan.slot_rows + (2 * layer + 1) * run,
-                     v.reshape(tokens * kv_heads, head_dim))
+    rows.index_copy_(0, slots[0], k.reshape(tokens * kv_heads, head_dim))
+    rows.index_copy_(0, slots[1], v.reshape(tokens * kv_heads, head_dim))
     if plan.on_layer is not None:
         plan.on_layer(layer)
 
@@ -133,7 +138,7 @@ def attend(plan: AttentionPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v:
                                                v[sl].transpose(0, 1).unsqueeze(0),
                                                is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            kv = _gather(plan, p.ctx_runs, 1, layer, head_dim)
+            kv = _gather(plan, p.ctx_runs[layer], 1, head_dim)
             o = F.scaled_dot_product_attention(qp, kv[0], kv[1], attn_mask=p.mask, scale=scale,
                                                enable_gqa=gqa)
         out[sl] = o[0].transpose(0, 1)

@@ -114,7 +114,8 @@ class LlamaLayer(nn.Module):
         rotated = heads + self.kv_heads
         qk = qkv[:, :rotated * head_dim].view(tokens, rotated, head_dim)
         half = head_dim // 2
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        # HF's rotate_half(qk) * sin, with the sign already on the table (LlamaStack.forward)
+        qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
         v = qkv[:, rotated * head_dim:].view(tokens, self.kv_heads, head_dim)
         out = attend(plan, self.layer_idx, qk[:, :heads], qk[:, heads:], v, self.scale)
         x = x + c.o_proj(out.view(tokens, -1))
@@ -175,6 +176,11 @@ class LlamaStack(nn.Module):
         cos, sin = self.rotary(x, positions[None])
         # [1, T, d] -> [T, 1, d]: broadcast over the q and k heads of each row.
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        # rotate_half(q) * sin = cat(-q2, q1) * sin = cat(q2, q1) * cat(-sin1, sin2): the sign
+        # moves onto the table once per pass instead of onto q and k in every layer; a product's
+        # rounding does not depend on its operands' signs, so the bits stay HF's.
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         for layer in self._layers:
             x = layer.forward(x, cos, sin, plan)
         return self.lm_head(_rms_norm(self.norm, x.index_select(0, last_rows)))

@@ -17,6 +17,7 @@ from mooncake_server.engine.attention import (
     DecodeBatch,
     PromptSlice,
     causal_mask,
+    per_layer,
     register_paged_attention,
 )
 from mooncake_server.engine.core_budget import CoreBudget, FixedThreads
@@ -160,7 +161,8 @@ class ModelRunner:
         """Pack the batch (decoding sequences first, then prompt chunks) and index its KV."""
         bt = self.layout.block_tokens
         kvh = self.layout.kv_heads
-        runs_per_block = self.layout.num_layers * 2 * kvh  # `head_runs` rows per block
+        layers = self.layout.num_layers
+        runs_per_block = layers * 2 * kvh  # `head_runs` rows per block
         block_rows = runs_per_block * bt  # `head_rows` rows per block
         # Offsets within layer 0 of a block: head h's slot (K) and run (K, then V).
         head_slots = torch.arange(kvh) * bt
@@ -200,7 +202,8 @@ class ModelRunner:
                 bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
                 bias = bias.view(len(lens), 1, 1, width * bt)
             decode = DecodeBatch(size=len(decodes),
-                                 ctx_runs=(blocks * runs_per_block + head_runs).view(-1),
+                                 ctx_runs=per_layer((blocks * runs_per_block + head_runs).view(-1),
+                                                    layers, 2 * kvh),
                                  bias=bias)
         slot_parts = [torch.tensor(slots, dtype=torch.long)] if slots else []
         prompt_slices: list[PromptSlice] = []
@@ -215,7 +218,8 @@ class ModelRunner:
                 prompt_slices.append(PromptSlice(q_start, n))
             else:
                 runs = (table.view(1, 1, 1, -1) * runs_per_block + head_runs).view(-1)
-                prompt_slices.append(PromptSlice(q_start, n, ctx_runs=runs,
+                prompt_slices.append(PromptSlice(q_start, n,
+                                                 ctx_runs=per_layer(runs, layers, 2 * kvh),
                                                  mask=causal_mask(n, end, len(table) * bt)))
             input_ids.extend(s.token_ids[start:end])
             positions.extend(range(start, end))
@@ -223,6 +227,8 @@ class ModelRunner:
         token_slots = torch.cat(slot_parts)
         plan = AttentionPlan(head_rows=self.kv.head_rows, head_runs=self.kv.head_runs,
                              block_tokens=bt, kv_heads=kvh,
-                             slot_rows=(token_slots[:, None] + head_slots).view(-1), decode=decode,
+                             slot_rows=per_layer((token_slots[:, None] + head_slots).view(1, -1),
+                                                 2 * layers, kvh * bt).view(layers, 2, -1),
+                             decode=decode,
                              prompts=prompt_slices, on_layer=on_layer)
         return plan, input_ids, positions, last_rows
