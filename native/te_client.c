@@ -149,7 +149,10 @@ static int map_shm(const te_info *info, const char *my_boot_id, te_segment *s, t
         te_err_set(e, "%s is not the peer's segment (pid namespace differs?)", path);
         return -1;
     }
-    void *m = info->size ? mmap(NULL, info->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+    /* MAP_POPULATE: map the peer's (already populated) pages now, not one fault per page on
+     * the first copy into each. */
+    void *m = info->size ? mmap(NULL, info->size, PROT_READ | PROT_WRITE,
+                                MAP_SHARED | MAP_POPULATE, fd, 0)
                          : NULL;
     int saved = errno;
     close(fd);

@@ -137,7 +137,11 @@ PyObject *te_py_alloc_shared(Engine *self, PyObject *args)
         return PyErr_Format(PyExc_OSError, "cannot create %llu bytes of shared memory '%s': %s",
                             nbytes, name, strerror(saved));
     }
-    void *m = mmap(NULL, (size_t)nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    /* MAP_POPULATE: the pages exist from the start. Left to fault in on first touch, a
+     * prefill's KV writes took ~25-45k page faults per 1024-token prompt on a fresh pool (80-180
+     * ms of system time inside the forward pass) until every page had been used once. */
+    void *m = mmap(NULL, (size_t)nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                   0);
     if (m == MAP_FAILED) {
         int saved = errno;
         close(fd);
