@@ -15,16 +15,11 @@ alone, without a pool of its own.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import torch
 
 from mooncake_server.engine.core_budget import machine_cores
-
-T = TypeVar("T")
 
 
 def no_team_on_this_thread() -> None:
@@ -46,9 +41,3 @@ def forward_thread(name: str) -> ThreadPoolExecutor:
     """
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-forward",
                               initializer=torch.set_num_threads, initargs=(machine_cores(),))
-
-
-async def on_forward_thread(executor: ThreadPoolExecutor, fn: Callable[..., T], *args: object,
-                            ) -> T:
-    """`fn(*args)` on the forward thread, awaited from the event loop."""
-    return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)

@@ -69,14 +69,6 @@ def _stack(linears: list[nn.Linear]) -> nn.Linear:
     return fused
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF's RMSNorm; in float32 torch's fused kernel gives the same bits in one call."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, norm.weight.shape, norm.weight,  # type: ignore[arg-type]
-                          norm.variance_epsilon)  # type: ignore[arg-type]
-    return norm(x)
-
-
 class LlamaLayer(nn.Module):
     """One decoder layer's weights: fused qkv and gate|up, HF's norms and output projections."""
 
@@ -105,10 +97,8 @@ class LlamaLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 plan: AttentionPlan) -> torch.Tensor:
         """x [T, hidden] -> x after attention and MLP (residuals added)."""
-        if self.calls is None:
-            self.bind()
         c = self.calls
-        assert c is not None
+        assert c is not None, "LlamaStack.bind() resolves the layers' calls"
         tokens, heads, head_dim = x.shape[0], self.heads, self.head_dim
         qkv = c.qkv(c.norm_in(x))
         rotated = heads + self.kv_heads
@@ -140,7 +130,10 @@ class _LayerCalls:
 
 
 def _norm_call(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`_rms_norm(norm, x)` as a function of x (x has the weight's dtype in this forward)."""
+    """HF's RMSNorm `norm` as a function of x (x has the weight's dtype in this forward).
+
+    In float32 torch's fused kernel gives HF's bits in one call; other dtypes keep HF's module.
+    """
     weight = norm.weight
     if weight.dtype == torch.float32:
         return functools.partial(F.rms_norm, normalized_shape=weight.shape, weight=weight,
@@ -162,12 +155,13 @@ class LlamaStack(nn.Module):
                                     for layer in inner.layers)
         self.norm = inner.norm
         self.lm_head = model.lm_head
-        self._layers: tuple[LlamaLayer, ...] = tuple(self.layers)  # type: ignore[arg-type]
+        self._final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def bind(self) -> None:
         """Resolve every layer's calls; run once the linears' kernels are final (ModelRunner)."""
-        for layer in self._layers:
-            layer.bind()
+        for layer in self.layers:
+            layer.bind()  # type: ignore[operator]
+        self._final_norm = _norm_call(self.norm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor,
                 plan: AttentionPlan) -> torch.Tensor:
@@ -181,6 +175,9 @@ class LlamaStack(nn.Module):
         # rounding does not depend on its operands' signs, so the bits stay HF's.
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        for layer in self._layers:
+        if self._final_norm is None:
+            self.bind()
+        for layer in self.layers:
             x = layer.forward(x, cos, sin, plan)
-        return self.lm_head(_rms_norm(self.norm, x.index_select(0, last_rows)))
+        assert self._final_norm is not None
+        return self.lm_head(self._final_norm(x.index_select(0, last_rows)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -9,11 +10,7 @@ import httpx
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.engine.factory import ModelInfo, build_runner
-from mooncake_server.engine.forward_thread import (
-    forward_thread,
-    no_team_on_this_thread,
-    on_forward_thread,
-)
+from mooncake_server.engine.forward_thread import forward_thread, no_team_on_this_thread
 from mooncake_server.engine.model_runner import ModelRunner
 from mooncake_server.instance.app import Starting
 from mooncake_server.store_client.kv_link import KVStoreLink
@@ -69,7 +66,7 @@ async def start_engine(starting: Starting, name: str) -> EngineParts:
     engine = make_transfer_engine(config, serve=False)
     stack.callback(engine.close)
     executor = forward_thread(name)
-    runner, info = await on_forward_thread(
+    runner, info = await asyncio.get_running_loop().run_in_executor(
         executor, build_runner, config, lambda nbytes: engine.alloc_shared(f"{name}-kv", nbytes))
     no_team_on_this_thread()  # the event loop samples; the forward thread computes
     stack.callback(runner.cores.close)
