@@ -3,8 +3,9 @@ conductor it knows (one `Registrar` each, so each conductor sees its heartbeats 
 
 It walks: published (its `InstanceInfo` under a lease) + registered with each named conductor
 (awaited, as without etcd) -> conductors found in etcd are joined as they appear, left as they
-vanish -> drain (every conductor is told) -> stop: the lease is revoked first, so every
-conductor drops it at once, then each registrar deregisters.
+vanish (one that still answers heartbeats is left only once it stops: etcd ending a lease
+after an outage is no conductor gone) -> drain (every conductor is told) -> stop: the lease is
+revoked first, so every conductor drops it at once, then each registrar deregisters.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class Membership:
         return registrar
 
     def _added(self, url: str) -> None:
-        if url in self._registrars:
+        if (known := self._registrars.get(url)) is not None:
+            known.leave_when_unreachable(None)  # listed again: kept even if it fails a while
             return
         # NOTE: a conductor publishes itself just before it listens: retry briskly, so it
         # hears from us before the entry etcd gave it goes stale for want of heartbeats.
@@ -107,6 +109,17 @@ class Membership:
                           self.info.instance_id)
 
     def _removed(self, url: str) -> None:
+        registrar = self._registrars.get(url)
+        if registrar is not None and registrar.answering:
+            # NOTE: its lease ended while it serves (etcd was away longer than the TTL); it
+            # publishes again within moments. Silence here meanwhile made it count this
+            # instance dead and answer 503.
+            log.info("conductor %s left etcd but still answers: kept until it stops", url)
+            registrar.leave_when_unreachable(lambda: self._drop(url))
+            return
+        self._drop(url)
+
+    def _drop(self, url: str) -> None:
         registrar = self._registrars.pop(url, None)
         task = self._joining.pop(url, None)
         if registrar is not None:

@@ -64,6 +64,9 @@ class Registrar:
         self._own_http = http is None
         self._max_backoff_s = max_backoff_s
         self._task: asyncio.Task[None] | None = None
+        # False from a heartbeat that found no conductor until one is answered again.
+        self.answering = False
+        self._on_unreachable: Callable[[], None] | None = None
 
     async def start(self) -> None:
         """Register (retrying with backoff until the conductor answers), then heartbeat."""
@@ -93,6 +96,10 @@ class Registrar:
         if self._own_http:
             await self._http.aclose()
             self._http = None
+
+    def leave_when_unreachable(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` once, at the next heartbeat that finds no conductor (None: never)."""
+        self._on_unreachable = callback
 
     async def drain(self) -> bool:
         """Tell the conductor to send nothing new here (SIGTERM); heartbeats go on."""
@@ -133,6 +140,7 @@ class Registrar:
                 problem = f"HTTP {exc.status}"
             else:
                 self.registrations += 1
+                self.answering = True
                 log.info("registered %s %s with %s", self.info.role, self.info.instance_id,
                          self.conductor_url)
                 return
@@ -163,10 +171,14 @@ class Registrar:
                 if not failing:
                     log.warning("heartbeat of %s failed: %s", self.info.instance_id,
                                 exc.__cause__)
-                failing = True
+                failing, self.answering = True, False
+                if (leave := self._on_unreachable) is not None:
+                    self._on_unreachable = None  # once: it stops this registrar
+                    leave()
                 continue
             except PeerRefused as exc:
                 status = exc.status or 0
+            self.answering = True
             if failing:
                 log.info("heartbeat of %s recovered", self.info.instance_id)
                 failing = False

@@ -6,18 +6,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+
+from fastapi import FastAPI, Request
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.discovery.conductors import ConductorSet
 from mooncake_server.discovery.etcd import EtcdSession, EtcdSettings, EtcdUnavailable
 from mooncake_server.discovery.leased_key import LeasedKey
 from mooncake_server.discovery.sealed import seal
+from mooncake_server.instance.membership import Cluster, Membership
 from mooncake_server.roles.conductor.etcd_feed import RegistryFeed
-from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.roles.conductor.registry import InstanceRegistry, registry_router
 from mooncake_server.wire.instances import ConductorInfo, InstanceInfo
+from mooncake_server.wire.routes import HEARTBEAT
 from mooncake_testkit.etcd_proc import EtcdProc
+from mooncake_testkit.in_process import serve_app
 
 TTL = 2
 
@@ -132,6 +138,64 @@ async def test_etcd_outage_keeps_the_view_and_the_leases_come_back(etcd: EtcdPro
         await key.stop()
         await feed.stop()
         await instance.close()
+
+
+async def test_a_conductor_that_etcd_lost_but_answers_keeps_the_heartbeats(
+        etcd: EtcdProc) -> None:
+    """etcd ending a conductor's lease (it was away past the TTL) while the conductor serves
+    must not silence an instance's heartbeats there: the conductor would count the instance
+    dead and answer 503 until it published itself again. A conductor that stops answering is
+    left at once."""
+    registry = InstanceRegistry(heartbeat_timeout_s=30)
+    app = FastAPI()
+    app.include_router(registry_router(registry, ""))
+    beats = 0
+
+    @app.middleware("http")
+    async def count_heartbeats(request: Request, call_next: Any) -> Any:
+        nonlocal beats
+        beats += request.url.path == HEARTBEAT.path
+        return await call_next(request)
+
+    config = ServerConfig(role="store", etcd_endpoints=f"127.0.0.1:{etcd.client_port}",
+                          etcd_prefix="/test/", etcd_lease_ttl_s=TTL, heartbeat_interval_s=0.05)
+    cluster = Cluster(config)
+    await cluster.start()
+    store = InstanceInfo(instance_id="s1", role="store", url="http://s1:1")
+    member = Membership(config, cluster, store)
+    await member.start()
+    conductor_session = await session(etcd)
+    try:
+        async with serve_app(app) as url:
+            key = LeasedKey(conductor_session, settings(etcd).conductor_key("c1"),
+                            ConductorInfo(conductor_id="c1", url=url).model_dump_json().encode(),
+                            TTL)
+            await key.start()
+            await until(lambda: registry.load("s1") is not None, 5, "s1 heartbeats to c1")
+            registrar = member.registrar(url)
+            assert registrar is not None
+
+            await key.stop()  # the key is gone; the conductor serves on
+            await until(lambda: url not in cluster.conductors.urls(), 5, "c1 left etcd")
+            before = beats
+            await until(lambda: beats >= before + 3, 5,
+                        "heartbeats go on to a conductor that answers")
+            assert member.registrar(url) is registrar
+
+            key = LeasedKey(conductor_session, key.key,
+                            ConductorInfo(conductor_id="c1", url=url).model_dump_json().encode(),
+                            TTL)
+            await key.start()  # published again: the same registration carries on
+            await until(lambda: url in cluster.conductors.urls(), 5, "c1 back in etcd")
+            assert member.registrar(url) is registrar and registrar.registrations == 1
+            await key.stop()
+            await until(lambda: url not in cluster.conductors.urls(), 5, "c1 left etcd again")
+        # the conductor stopped answering: its first failed heartbeat leaves it
+        await until(lambda: member.registrar(url) is None, 5, "a silent conductor left")
+    finally:
+        await member.stop()
+        await cluster.stop()
+        await conductor_session.close()
 
 
 def test_etcd_flags_are_checked_at_the_edge() -> None:
