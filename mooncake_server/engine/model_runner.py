@@ -220,7 +220,8 @@ class ModelRunner:
                 runs = (table.view(1, 1, 1, -1) * runs_per_block + head_runs).view(-1)
                 prompt_slices.append(PromptSlice(q_start, n,
                                                  ctx_runs=per_layer(runs, layers, 2 * kvh),
-                                                 mask=causal_mask(n, end, len(table) * bt)))
+                                                 mask=causal_mask(n, end, len(table) * bt,
+                                                                   self.kv.head_rows.dtype)))
             input_ids.extend(s.token_ids[start:end])
             positions.extend(range(start, end))
             last_rows[i] = len(input_ids) - 1
