@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_engine_loop import collect, hf_greedy, make_backend
 
+from mooncake_server.engine.attention import causal_mask
 from mooncake_server.engine.kernel_choice import KernelChoice, choose_kernels
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.linears import bf16_packing_supported, prepare_linears
@@ -187,3 +188,15 @@ def test_models_the_lean_stack_does_not_cover_run_hf_modules() -> None:
     assert not isinstance(runner.model, LlamaStack)
     prompt = torch.randint(2, 250, (11,), generator=torch.Generator().manual_seed(8)).tolist()
     assert _runner_greedy(runner, prompt, 6) == hf_greedy(ref, prompt, 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_over_cached_context_gets_an_additive_mask_in_its_dtype(dtype: torch.dtype
+                                                                        ) -> None:
+    """SDPA converts a bool mask into this one on every call (a fresh [q, ctx] buffer per
+    layer); built once per pass in the activations' dtype, it is used as it is."""
+    mask = causal_mask(3, 5, 8, dtype)  # queries at positions 2, 3, 4; 8 padded key slots
+    assert mask.dtype == dtype and mask.shape == (3, 8)
+    sees = torch.arange(8)[None, :] <= torch.tensor([2, 3, 4])[:, None]
+    assert torch.equal(torch.isneginf(mask), ~sees)
+    assert torch.equal(mask[sees], torch.zeros(int(sees.sum()), dtype=dtype))
