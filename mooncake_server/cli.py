@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_server.config import ServerConfig, flags, load_yaml, parse_size
+from mooncake_server.malloc_tuning import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ def _profile(argv: list[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point: bad flags exit 2 with one clear line."""
+    keep_freed_memory()  # NOTE: first: it must precede every thread
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["profile"]:
         _profile(args[1:])

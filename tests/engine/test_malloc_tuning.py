@@ -1,0 +1,64 @@
+"""glibc malloc keeps a forward thread's freed activations mapped (malloc_tuning.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+# A forward thread's pattern: the same large activations allocated and freed pass after pass.
+PASSES = """
+import resource, sys, threading
+if sys.argv[1] == "tuned":
+    from mooncake_server.malloc_tuning import keep_freed_memory
+    print(keep_freed_memory())
+else:
+    print(None)
+import torch
+torch.set_num_threads(1)
+a = torch.randn(2048, 3072)
+def one():
+    y = a * 2.0                      # 25 MB
+    z = y[:, :1536] * y[:, 1536:]    # 12.6 MB
+    s = torch.nn.functional.silu(z)  # 12.6 MB
+    del y, z, s
+faults = []
+def passes():
+    for _ in range(10):  # the heap reaches its working set
+        one()
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    for _ in range(20):
+        one()
+    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+t = threading.Thread(target=passes)
+t.start()
+t.join()
+print(faults[0])
+"""
+PAGES_TOUCHED = 20 * (2048 * 3072 + 2 * 2048 * 1536) * 4 // 4096
+
+
+def run_passes(mode: str, env: dict[str, str] | None = None) -> tuple[str, int]:
+    """What keep_freed_memory answered in a fresh process, and its passes' page faults."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", PASSES, mode], env={**clean, **(env or {})},
+                         capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_freed_activations_stay_mapped_from_pass_to_pass() -> None:
+    answered, faults = run_passes("tuned")
+    assert answered == "True"
+    assert faults < PAGES_TOUCHED * 0.05, (faults, PAGES_TOUCHED)
+    # What the tuning prevents: the thread's arena gives its heaps back and faults them in again.
+    _, untuned = run_passes("plain")
+    assert untuned > PAGES_TOUCHED * 0.15, (untuned, PAGES_TOUCHED)
+
+
+def test_malloc_tuning_from_the_environment_wins() -> None:
+    answered, _ = run_passes("tuned", {"MALLOC_ARENA_MAX": "4"})
+    assert answered == "False"
