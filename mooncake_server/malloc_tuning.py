@@ -13,7 +13,6 @@ the largest mmap threshold glibc allows keep those pages mapped: ~0 faults per p
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 # mallopt(3) parameters (glibc's malloc.h)
@@ -30,12 +29,9 @@ def keep_freed_memory() -> bool:
     user tuned malloc through the environment (MALLOC_* or GLIBC_TUNABLES: theirs wins)."""
     if "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ):
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
     try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this interpreter runs on
+    except (OSError, AttributeError):  # no mallopt to call: not glibc
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     return all(mallopt(param, value) == 1 for param, value in (

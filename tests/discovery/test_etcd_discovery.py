@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-
 from fastapi import FastAPI, Request
 
 from mooncake_server.config import ServerConfig
