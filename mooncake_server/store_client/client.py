@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from typing import TypeVar
 
 import httpx
@@ -50,6 +51,9 @@ from mooncake_server.wire.store_ops import (
 logger = logging.getLogger(__name__)
 
 _Reply = TypeVar("_Reply", bound=BaseModel)
+# Attempts (0.5 s apart, doubling to 5 s: ~60 s in all, the store's write timeout) to abort a
+# put_start that got no answer.
+ABANDON_TRIES = 15
 
 
 class StoreError(RuntimeError):
@@ -83,6 +87,7 @@ class StoreClient:
         self._segment_lock = asyncio.Lock()
         self._by_key: bool | None = None  # GET by key (TCP segments): decided once opened
         self._releases: set[asyncio.Task[None]] = set()
+        self._abandoned: set[asyncio.Task[None]] = set()  # aborts of unanswered put_starts
         self._rpc: RpcClient | None = None
         self._notified = False  # releases sent without an answer since the last settle()
         if location.control_address:
@@ -112,8 +117,7 @@ class StoreClient:
             raise ValueError("put: keys, addrs, sizes and checksums must have the same length")
         if not keys:
             return []
-        start = await self._call(StoreOp.PUT_START, StorePutStart(keys=keys, sizes=sizes),
-                                 StorePutStartReply)
+        start = await self._put_start(keys, sizes)
         if len(start.offsets) != len(keys):
             raise StoreError(f"put_start: store answered {len(start.offsets)} offsets for "
                              f"{len(keys)} keys")
@@ -148,8 +152,7 @@ class StoreClient:
 
     async def reserve(self, keys: list[str], sizes: list[int]) -> StorePutStartReply:
         """put_start: offsets to write each key at (None = skip: present, in progress, refused)."""
-        reply = await self._call(StoreOp.PUT_START, StorePutStart(keys=keys, sizes=sizes),
-                                 StorePutStartReply)
+        reply = await self._put_start(keys, sizes)
         if len(reply.offsets) != len(keys):
             raise StoreError(f"put_start: store answered {len(reply.offsets)} offsets for "
                              f"{len(keys)} keys")
@@ -309,10 +312,47 @@ class StoreClient:
                              f"{exc.__cause__!r}") from exc
 
     async def aclose(self) -> None:
-        """Wait for lease releases in flight, then close the control connection."""
+        """Wait for lease releases in flight, then close the control connection (aborts of
+        unanswered put_starts stop: the store's write timeout frees what they would)."""
+        for task in list(self._abandoned):
+            task.cancel()
+        await asyncio.gather(*self._abandoned, return_exceptions=True)
         await self.settle()
         if self._rpc is not None:
             await self._rpc.aclose()
+
+    async def _put_start(self, keys: list[str], sizes: list[int]) -> StorePutStartReply:
+        """put_start under a fresh writer token; if no answer comes, that token is aborted in
+        the background: the request may still reach the store (a link back up delivers it)
+        and would hold its space, in state WRITING, until the store's write timeout."""
+        writer = uuid.uuid4().hex
+        try:
+            return await self._call(StoreOp.PUT_START,
+                                    StorePutStart(keys=keys, sizes=sizes, writer=writer),
+                                    StorePutStartReply)
+        except StoreError:
+            task = asyncio.create_task(self._abort_writer(keys, writer),
+                                       name=f"abort put_start {writer}")
+            self._abandoned.add(task)
+            task.add_done_callback(self._abandoned.discard)
+            raise
+
+    async def _abort_writer(self, keys: list[str], writer: str) -> None:
+        # NOTE: until the store answers once; the abort also makes it refuse that put_start
+        # if it arrives after, so retrying until then is enough.
+        delay = 0.5
+        for _ in range(ABANDON_TRIES):
+            try:
+                await self._call(StoreOp.PUT_ABORT, StoreKeys(keys=keys, writer=writer),
+                                 StoreRemoveReply)
+                return
+            except StoreError as exc:
+                logger.debug("aborting unanswered put_start %s: %s", writer, exc)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
+        logger.warning("store %s never answered the abort of put_start %s (%d keys): the store "
+                       "frees them at its write timeout", self._location.instance_id, writer,
+                       len(keys))
 
     async def _abort_quietly(self, keys: list[str]) -> None:
         # The store also frees stale reservations on a timeout, so a failed abort only delays.

@@ -27,6 +27,9 @@ class StoreKeys(BaseModel):
     """A batch of block keys (put_abort, exists, remove)."""
 
     keys: list[str]
+    # put_abort only: free just this writer's reservations, and refuse its put_start if that
+    # arrives later (a put_start whose answer never came may still be on the wire).
+    writer: str | None = None
 
 
 class StorePutStart(BaseModel):
@@ -34,6 +37,7 @@ class StorePutStart(BaseModel):
 
     keys: list[str]
     sizes: list[int]
+    writer: str | None = None  # the writer's token for put_abort (see StoreKeys)
 
 
 class StorePutStartReply(BaseModel):

@@ -63,6 +63,24 @@ def test_abort_frees_reservation() -> None:
     assert table.put_end(["a"], [1]) == [False]
 
 
+def test_an_unanswered_put_start_aborted_by_its_writer_holds_nothing() -> None:
+    """A writer whose put_start got no answer aborts its token: whether the put_start reaches
+    the store before that abort or after it (a link coming back up delivers it late), no
+    space stays reserved, and another writer's reservation of a key is left alone."""
+    table, clock = make()
+    table.put_start(["a", "b"], [BLOCK, BLOCK], writer="w1")  # arrived before the abort
+    table.put_start(["c"], [BLOCK], writer="w2")
+    assert table.put_abort(["a", "b", "c"], writer="w1") == 2
+    assert table.stats().writing == 1 and table.lookup("c") is not None  # w2's: untouched
+    table.put_start(["d"], [BLOCK], writer="w3")  # a writer that never aborts
+    assert table.put_abort(["e"], writer="w4") == 0  # w4 aborts before its put_start arrives
+    late = table.put_start(["e"], [BLOCK], writer="w4")
+    assert late.offsets == [None] and table.lookup("e") is None
+    assert table.put_end(["d"], [1]) == [True]
+    clock.now += 3600  # the refusal ends with the write timeout: the token is forgotten
+    assert table.put_start(["e"], [BLOCK], writer="w4").offsets[0] is not None
+
+
 def test_lru_evicts_least_recently_used_first() -> None:
     table, _ = make(blocks=3)
     put(table, ["a", "b", "c"])

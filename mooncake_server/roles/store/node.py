@@ -92,16 +92,17 @@ class StoreNode:
 
     # ---- writes -------------------------------------------------------------------------------
 
-    def put_start(self, keys: list[str], sizes: list[int]) -> PutStartResult:
+    def put_start(self, keys: list[str], sizes: list[int],
+                  writer: str | None = None) -> PutStartResult:
         """Reserve DRAM for new keys; keys held in either tier are skipped (offset None)."""
         if len(keys) != len(sizes):
             raise ValueError(f"put_start: {len(keys)} keys but {len(sizes)} sizes")
         ssd = self.ssd
         if ssd is None:
-            return self.table.put_start(keys, sizes)
+            return self.table.put_start(keys, sizes, writer)
         on_ssd = [ssd.contains(k) and self.table.lookup(k) is None for k in keys]
         fresh = [i for i, skip in enumerate(on_ssd) if not skip]
-        res = self.table.put_start([keys[i] for i in fresh], [sizes[i] for i in fresh])
+        res = self.table.put_start([keys[i] for i in fresh], [sizes[i] for i in fresh], writer)
         offsets: list[int | None] = [None] * len(keys)
         for i, off in zip(fresh, res.offsets):
             offsets[i] = off
@@ -115,9 +116,9 @@ class StoreNode:
                 self._changed(key)
         return committed
 
-    def put_abort(self, keys: list[str]) -> int:
-        """Free the reservations of keys whose write failed."""
-        return self.table.put_abort(keys)
+    def put_abort(self, keys: list[str], writer: str | None = None) -> int:
+        """Free the reservations of keys whose write failed (only `writer`'s, if given)."""
+        return self.table.put_abort(keys, writer)
 
     def remove(self, keys: list[str]) -> int:
         """Remove keys from both tiers; return how many were known."""

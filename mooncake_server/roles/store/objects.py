@@ -58,6 +58,7 @@ class StoreObject:
     last_access: float = 0.0
     removed: bool = False  # removed while busy: freed when the last lease / write ends
     tag: int = -1  # its publication for reads by key (unique per object, unlike the offset)
+    writer: str | None = None  # the put_start's writer token (WRITING only matters)
 
 
 @dataclass(slots=True)
@@ -158,6 +159,9 @@ class ObjectTable:
         self._keyed = keyed
         self._keyed_hits = 0
         self._draining: dict[int, StoreObject] = {}  # tag -> retired, still being sent
+        # Writers that aborted, until their reservations would have timed out anyway: a
+        # put_start of theirs arriving after the abort reserves nothing.
+        self._aborted_writers: dict[str, float] = {}
 
     @property
     def capacity(self) -> int:
@@ -166,13 +170,18 @@ class ObjectTable:
 
     # ---- writes -----------------------------------------------------------------------------
 
-    def put_start(self, keys: list[str], sizes: list[int]) -> PutStartResult:
-        """Reserve space for each new key (state WRITING); None for present or refused keys."""
+    def put_start(self, keys: list[str], sizes: list[int],
+                  writer: str | None = None) -> PutStartResult:
+        """Reserve space for each new key (state WRITING); None for present or refused keys,
+        and for every key of a `writer` that aborted already."""
         if len(keys) != len(sizes):
             raise ValueError(f"put_start: {len(keys)} keys but {len(sizes)} sizes")
         if any(s <= 0 for s in sizes):
             raise ValueError("put_start: every size must be positive")
         self.reap()
+        if writer is not None and writer in self._aborted_writers:
+            logger.info("put_start of aborted writer %s arrived late: nothing reserved", writer)
+            return PutStartResult([None] * len(keys), [])
         now = self._clock()
         offsets: list[int | None] = []
         refused: list[str] = []
@@ -190,7 +199,8 @@ class ObjectTable:
                 refused.append(key)
                 offsets.append(None)
                 continue
-            obj = StoreObject(key, offset, size, ObjectState.WRITING, last_access=now)
+            obj = StoreObject(key, offset, size, ObjectState.WRITING, last_access=now,
+                              writer=writer)
             self._objects[key] = obj
             self._writing += 1
             heapq.heappush(self._write_deadlines, (now + self._write_timeout_s, next(self._seq), obj))
@@ -229,12 +239,18 @@ class ObjectTable:
         self._evict_to_watermark()
         return committed
 
-    def put_abort(self, keys: list[str]) -> int:
-        """Free the WRITING reservations of these keys (READY ones are left alone); count them."""
+    def put_abort(self, keys: list[str], writer: str | None = None) -> int:
+        """Free the WRITING reservations of these keys (READY ones are left alone); count them.
+
+        With `writer`, only that writer's, and its put_start is refused if it comes later.
+        """
+        if writer is not None:
+            self._aborted_writers[writer] = self._clock() + self._write_timeout_s
         freed = 0
         for key in keys:
             obj = self._objects.get(key)
-            if obj is not None and obj.state is ObjectState.WRITING:
+            if obj is not None and obj.state is ObjectState.WRITING and (
+                    writer is None or obj.writer == writer):
                 self._finish_write(obj)
                 self._drop(obj)
                 freed += 1
@@ -388,6 +404,8 @@ class ObjectTable:
                 self._finish_write(obj)
                 self._drop(obj)
                 reaped += 1
+        for writer in [w for w, until in self._aborted_writers.items() if until <= now]:
+            del self._aborted_writers[writer]
         return reaped
 
     def stats(self) -> TableStats:

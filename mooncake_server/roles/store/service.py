@@ -45,7 +45,7 @@ class StoreService:
 
     def put_start(self, body: StorePutStart) -> StorePutStartReply:
         """Reserve space for new keys."""
-        res = self.node().put_start(body.keys, body.sizes)
+        res = self.node().put_start(body.keys, body.sizes, body.writer)
         return StorePutStartReply(offsets=res.offsets, refused=res.refused)
 
     def put_end(self, body: StorePutEnd) -> StorePutEndReply:
@@ -54,7 +54,7 @@ class StoreService:
 
     def put_abort(self, body: StoreKeys) -> StoreRemoveReply:
         """Free reservations whose write failed."""
-        return StoreRemoveReply(removed=self.node().put_abort(body.keys))
+        return StoreRemoveReply(removed=self.node().put_abort(body.keys, body.writer))
 
     def get(self, body: StoreGet) -> StoreGetReply | Awaitable[StoreGetReply]:
         """Lease the leading held keys (sparse: all held keys) and say where their bytes are;
