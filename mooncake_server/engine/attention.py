@@ -84,7 +84,7 @@ def causal_mask(q_len: int, ctx_len: int, padded_len: int, dtype: torch.dtype) -
     sees keys <= it.
 
     Additive in the query's dtype, not bool: SDPA turns a bool mask into this one on every
-    call, 30 times a pass, each a fresh [q_len, padded_len] float buffer (33 MB, 8k page
+    call, once per layer, each a fresh [q_len, padded_len] float buffer (33 MB, 8k page
     faults for 2048 x 4096); the result is the same bits.
     """
     q_pos = torch.arange(ctx_len - q_len, ctx_len)[:, None]

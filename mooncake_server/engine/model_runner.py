@@ -221,7 +221,7 @@ class ModelRunner:
                 prompt_slices.append(PromptSlice(q_start, n,
                                                  ctx_runs=per_layer(runs, layers, 2 * kvh),
                                                  mask=causal_mask(n, end, len(table) * bt,
-                                                                   self.kv.head_rows.dtype)))
+                                                                   self.layout.dtype)))
             input_ids.extend(s.token_ids[start:end])
             positions.extend(range(start, end))
             last_rows[i] = len(input_ids) - 1
