@@ -62,3 +62,47 @@ def test_freed_activations_stay_mapped_from_pass_to_pass() -> None:
 def test_malloc_tuning_from_the_environment_wins() -> None:
     answered, _ = run_passes("tuned", {"MALLOC_ARENA_MAX": "4"})
     assert answered == "False"
+
+
+# Where a second thread's 64 KiB allocation lands: in the main arena's [heap] or an arena of its own.
+ARENA = """
+import ctypes, sys, threading
+if sys.argv[1] == "tuned":
+    from mooncake_server.malloc_tuning import keep_freed_memory
+    keep_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+got = []
+def allocate():
+    p = libc.malloc(1 << 16)  # below any mmap threshold
+    got.append(p)
+    libc.free(p)
+t = threading.Thread(target=allocate)
+t.start()
+t.join()
+for line in open("/proc/self/maps"):
+    if line.rstrip().endswith("[heap]"):
+        lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+        print("main" if lo <= got[0] < hi else "own")
+        break
+else:
+    print("own")
+"""
+
+
+def thread_arena(mode: str, env: dict[str, str] | None = None) -> str:
+    """'main' or 'own': the arena a second thread's allocation came from in a fresh process."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    return subprocess.run([sys.executable, "-c", ARENA, mode], env={**clean, **(env or {})},
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_threads_keep_arenas_of_their_own() -> None:
+    # One arena for every thread put fbgemm's workers and the forward thread on one lock
+    # (int8 one-token steps 13-14 ms -> 19-21 ms): the tuning must not do that.
+    assert thread_arena("tuned") == "own"
+    assert thread_arena("plain", {"MALLOC_ARENA_MAX": "1"}) == "main"
