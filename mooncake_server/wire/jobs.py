@@ -105,6 +105,17 @@ class PrefillResult(BaseModel):
     other_choices: list[FirstToken] = Field(default_factory=list)  # choices 1..n-1
 
 
+class PrefillFirst(BaseModel):
+    """A prefill's first output tokens, sent the moment its prompt is computed: the client
+    streams them while the prompt's KV is still being written to the store."""
+
+    first_token: int
+    cached_tokens: int = 0
+    first_logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    other_choices: list[FirstToken] = Field(default_factory=list)  # choices 1..n-1
+
+
 class PrefillCacheReport(BaseModel):
     """A prefill instance's local prefix cache: changes since its last report, or everything."""
 

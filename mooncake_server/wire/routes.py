@@ -48,6 +48,7 @@ from mooncake_server.wire.jobs import (
     ErrorEvent,
     PrefillCacheReport,
     PrefillCacheReportReply,
+    PrefillFirst,
     PrefillJob,
     PrefillResult,
 )
@@ -127,7 +128,12 @@ MIGRATE = Route("/internal/migrate", MigrateRequest, MigrateReply)
 REQUESTS = Route("/internal/requests", None, list[RunningRequest], method="GET")
 
 # --- prefill and decode instances --------------------------------------------------------------
-PREFILL = Route("/internal/prefill", PrefillJob, PrefillResult)
+# NDJSON: a PrefillFirst line as soon as the prompt is computed, then the PrefillResult once its
+# KV is in the store, or an ErrorEvent line. A lone PrefillResult is a whole answer too.
+# NOTE: left to right: a result also parses as a PrefillFirst (fewer fields), so it goes first.
+PrefillLine = Annotated[ErrorEvent | PrefillResult | PrefillFirst,
+                        Field(union_mode="left_to_right")]
+PREFILL = Route("/internal/prefill", PrefillJob, PrefillLine, stream=True)
 # One DecodeEvent per line, or one ErrorEvent line ({"error": ...}) that ends the stream.
 # NOTE: left to right, so a line with an "error" is an error whatever else it carries.
 DecodeLine = Annotated[ErrorEvent | DecodeEvent, Field(union_mode="left_to_right")]

@@ -24,7 +24,14 @@ from mooncake_server.roles.conductor.scheduler import build_scheduler
 from mooncake_server.roles.conductor.store_index.master import StoreMaster
 from mooncake_server.roles.conductor.watch import STALLED, InstanceLost, LineFeed, MoveOrdered
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
-from mooncake_server.wire.jobs import DecodeJob, PrefillJob, PrefillResult, SamplingParams
+from mooncake_server.wire.jobs import (
+    DecodeJob,
+    ErrorEvent,
+    PrefillFirst,
+    PrefillJob,
+    PrefillResult,
+    SamplingParams,
+)
 
 BT = 4
 PROMPT = list(range(100, 110))  # 10 tokens: 2 full blocks and a tail
@@ -57,6 +64,23 @@ class Lines(httpx.AsyncByteStream):
         self.closed.append(self.name)
 
 
+class PrefillLines(httpx.AsyncByteStream):
+    """A streamed prefill answer: the first token, then (once stored) the result or an error."""
+
+    def __init__(self, job: PrefillJob, token: int, then: str, stored: asyncio.Event) -> None:
+        self.job, self.token, self.then, self.stored = job, token, then, stored
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield PrefillFirst(first_token=self.token).model_dump_json().encode() + b"\n"
+        if self.then == "error":
+            yield ErrorEvent(error="store transfer failed").model_dump_json().encode() + b"\n"
+            return
+        await self.stored.wait()
+        yield PrefillResult(request_id=self.job.request_id, first_token=self.token,
+                            cached_tokens=0, tail_key="tail/x", block_checksums=[11, 12, 13],
+                            prefill_seconds=0.0).model_dump_json().encode() + b"\n"
+
+
 @dataclass
 class Peers(httpx.AsyncBaseTransport):
     """p1, p2 (prefill), d1, d2 (decode), s1 (store) behind one transport.
@@ -70,6 +94,10 @@ class Peers(httpx.AsyncBaseTransport):
     prefill_jobs: list[str] = field(default_factory=list)
     decode_jobs: list[tuple[str, DecodeJob]] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
+    # Streamed prefill answers, one per job in order: (first token, then "result" | "error").
+    # The result waits for `stored` (the store writes of a real prefill instance).
+    prefill_answers: list[tuple[int, str]] = field(default_factory=list)
+    stored: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         host, path = request.url.host, request.url.path
@@ -81,6 +109,9 @@ class Peers(httpx.AsyncBaseTransport):
                 await asyncio.Event().wait()
             job = PrefillJob.model_validate_json(body)
             self.prefill_jobs.append(host)
+            if self.prefill_answers:
+                token, then = self.prefill_answers.pop(0)
+                return httpx.Response(200, stream=PrefillLines(job, token, then, self.stored))
             return httpx.Response(200, content=PrefillResult(
                 request_id=job.request_id, first_token=FIRST, cached_tokens=0,
                 tail_key="tail/x", block_checksums=[11, 12, 13],
@@ -236,6 +267,36 @@ async def test_dead_prefill_instance_job_is_resent(registry: InstanceRegistry) -
         assert await run(backend) == OUTPUT
     assert peers.prefill_jobs == ["p2"]
     assert backend.stats.prefill_resends == {"died": 1}
+
+
+async def test_the_first_token_streams_before_the_prompt_kv_is_stored(
+        registry: InstanceRegistry) -> None:
+    peers = Peers({"d1": full_from, "d2": full_from}, prefill_answers=[(FIRST, "result")])
+    async with httpx.AsyncClient(transport=peers) as http:
+        backend = backend_for(registry, http)
+        tokens = backend.generate(request())
+        first = await asyncio.wait_for(anext(tokens), 5)
+        assert first.token_id == FIRST
+        assert peers.decode_jobs == []  # the prefill has not answered with its result yet
+        peers.stored.set()
+        assert [e.token_id async for e in tokens] == OUTPUT[1:]
+    assert peers.decode_jobs[0][1].first_token == FIRST
+
+
+async def test_a_prefill_resent_after_its_first_token_keeps_that_token(
+        registry: InstanceRegistry) -> None:
+    # The first instance streams FIRST, then fails its store writes; the job goes to the other
+    # instance, which samples another first token (no seed): the client keeps the one it has,
+    # and the decode continues from it.
+    peers = Peers({"d1": full_from, "d2": full_from},
+                  prefill_answers=[(FIRST, "error"), (FIRST + 1, "result")])
+    peers.stored.set()
+    async with httpx.AsyncClient(transport=peers) as http:
+        backend = backend_for(registry, http)
+        assert await run(backend) == OUTPUT
+    assert len(peers.prefill_jobs) == 2 and len(set(peers.prefill_jobs)) == 2
+    assert backend.stats.prefill_resends == {"error": 1}
+    assert [job.first_token for _, job in peers.decode_jobs] == [FIRST]
 
 
 async def test_hung_prefill_instance_that_misses_heartbeats_is_left(

@@ -35,7 +35,9 @@ def prefill(c: Cluster, which: int, ids: list[int], reuse: str, rid: str) -> Pre
     r = httpx.post(c.prefill[which] + "/internal/prefill", content=job.model_dump_json(),
                    headers={**c.headers, "content-type": "application/json"}, timeout=60)
     assert r.status_code == 200, r.text
-    return PrefillResult.model_validate_json(r.content)
+    lines = r.text.splitlines()  # the first tokens as soon as computed, then the result
+    assert len(lines) == 2, lines
+    return PrefillResult.model_validate_json(lines[-1])
 
 
 def complete(c: Cluster, ids: list[int], max_tokens: int = 6) -> httpx.Response:

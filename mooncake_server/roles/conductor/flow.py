@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from mooncake_server.api.backend import GenerateRequest
 from mooncake_server.roles.conductor.scheduler.policy import Plan
 from mooncake_server.wire.instances import InstanceInfo
-from mooncake_server.wire.jobs import PrefillResult, SamplingParams
+from mooncake_server.wire.jobs import PrefillFirst, PrefillResult, SamplingParams
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -23,6 +23,10 @@ class RequestFlow:
     plan: Plan  # where it runs now; a move replaces the plan's prefill or decode instance
     phase: str = PREFILL
     result: PrefillResult | None = None
+    # The first tokens, from the first prefill instance that computed the prompt (before its
+    # store writes); a re-sent prefill's own first tokens give way to these, the client has them.
+    first: PrefillFirst | None = None
+    first_ready: asyncio.Event = field(default_factory=asyncio.Event)
     tail_settled: bool = False  # the decode instance took the tail block, or it was removed
     reserved_on: InstanceInfo | None = None  # decode instance holding room until its job starts
     delivered: list[int] = field(default_factory=list)  # output after the first token, passed on
@@ -46,6 +50,12 @@ class RequestFlow:
     def sampling(self) -> SamplingParams:
         """The sampling of this flow's choice (its own seed when n > 1)."""
         return self.request.sampling.for_choice(self.choice)
+
+    def got_first(self, first: PrefillFirst) -> None:
+        """A prefill instance computed the prompt: keep its first tokens, unless some came before."""
+        if self.first is None:
+            self.first = first
+            self.first_ready.set()
 
     def serving(self) -> InstanceInfo:
         """The instance working on the request now."""

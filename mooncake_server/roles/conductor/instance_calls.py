@@ -33,7 +33,6 @@ from mooncake_server.wire.routes import (
     InvalidReply,
     PeerRefused,
     PeerUnreachable,
-    call,
     open_stream,
     send,
 )
@@ -65,14 +64,24 @@ class InstanceCalls:
         self._check_s = check_interval(heartbeat_timeout_s)
 
     async def prefill(self, flow: RequestFlow, prefill: InstanceInfo) -> PrefillResult:
-        """Run the request's prefill job on `prefill`; its KV lands in the store."""
+        """Run the request's prefill job on `prefill`; its KV lands in the store. Its first
+        tokens go to `flow.got_first` as soon as the instance sends them, before the result."""
         job = PrefillJob(request_id=flow.request_id,
                          prompt_token_ids=flow.request.prompt_token_ids, block_keys=flow.keys,
                          sampling=flow.request.sampling, reuse=flow.plan.reuse)
         where = f"prefill instance {prefill.instance_id}"
         try:
-            return await call(self._http, prefill.url, PREFILL, job, headers=self._headers,
-                              timeout=self._timeout)
+            async with open_stream(self._http, prefill.url, PREFILL, job, headers=self._headers,
+                                   timeout=self._timeout) as lines:
+                async for raw in lines:
+                    if not raw.strip():
+                        continue
+                    line = PREFILL.parse(raw, where)
+                    if isinstance(line, ErrorEvent):
+                        raise BackendError(f"{where} failed: {line.error}", 503)
+                    if isinstance(line, PrefillResult):
+                        return line
+                    flow.got_first(line)
         except PeerUnreachable as exc:
             self._registry.mark_down(prefill.instance_id)
             raise BackendError(f"{where} unreachable: {exc.__cause__!r}", 503) from exc
@@ -81,6 +90,7 @@ class InstanceCalls:
         except CallError as exc:
             raise BackendError(f"{where} failed: {exc.detail or exc}",
                                peer_status(exc.status)) from exc
+        raise BackendError(f"{where} ended its answer without a result", 503)
 
     async def decode(self, flow: RequestFlow, decode: InstanceInfo,
                      job: DecodeJob) -> AsyncGenerator[TokenEvent, None]:

@@ -8,7 +8,9 @@ A request walks, in order (each step one method below):
   reserved (decode admission on the planned decode instance, or the next one the scheduler
     offers; 429 if none will) ->
   prefilling (`RequestMoves.prefill`: the job on the planned prefill instance, re-sent on a
-    fault; the prompt's KV lands in the store) -> first token yielded ->
+    fault; the prompt's KV lands in the store), its first token yielded as soon as the prefill
+    instance has computed the prompt, before the store writes (a re-sent prefill keeps the
+    first tokens already streamed) ->
   decoding (`RequestMoves.decode`: the decode instance's NDJSON stream, moved on a fault or an
     ordered migration) -> finished.
 With n > 1 choices the prompt is prefilled once (the prefill samples every choice's first
@@ -44,6 +46,7 @@ from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler
 from mooncake_server.roles.conductor.store_index.master import StoreMaster
 from mooncake_server.roles.conductor.watch import least_loaded
 from mooncake_server.wire.auth import secret_headers
+from mooncake_server.wire.jobs import FirstToken, PrefillFirst, PrefillResult, SamplingParams
 from mooncake_server.wire.moves import MigrateReply, RunningRequest
 
 log = logging.getLogger(__name__)
@@ -77,22 +80,80 @@ class RequestPath:
         return all(self._registry.alive(role) for role in INSTANCE_ROLES)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        """Plan, reserve, prefill, then stream the decode instance's tokens."""
+        """Plan, reserve, prefill (its first tokens streamed as soon as the prompt is
+        computed), then stream the decode instance's tokens."""
         flow = await self._plan(request)
         rid = request.request_id
         self._flows[rid] = flow
+        prefilling: asyncio.Future[PrefillResult] | None = None
         try:
             await self._reserve_decode(flow)
-            flow.result = await self._moves.prefill(flow, self._calls.prefill)
-            self.scheduler.first_token(rid)
-            choices = [flow] + [self._choice_flow(flow, i) for i in range(1, request.sampling.n)]
-            streams = [self._decode_choice(one, rid) for one in choices]
-            # NOTE: aclosing, so closing this generator closes the decode streams now, not at GC.
-            async with aclosing(streams[0] if len(streams) == 1 else merged(streams)) as events:
-                async for event in events:
+            prefilling = asyncio.ensure_future(self._moves.prefill(flow, self._calls.prefill))
+            computed = asyncio.ensure_future(flow.first_ready.wait())
+            try:
+                await asyncio.wait([prefilling, computed], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                computed.cancel()
+            first = flow.first
+            early = first is not None and self._continues(flow, first)
+            if early:  # the client has these while the prompt's KV is still being written
+                assert first is not None
+                self.scheduler.first_token(rid)
+                for event in self._first_events(flow, first):
                     yield event
+            flow.result = self._pinned(await prefilling, flow.first)
+            if not early:
+                self.scheduler.first_token(rid)
+                for event in self._first_events(flow, self._as_first(flow.result)):
+                    yield event
+            choices = [flow] + [self._choice_flow(flow, i) for i in range(1, request.sampling.n)]
+            streams = [self._decode_choice(one, rid) for one in choices
+                       if one.result is not None
+                       and self._finish_at_first(one.sampling, one.result.first_token) is None]
+            if streams:
+                # NOTE: aclosing, so closing this generator closes the decode streams now.
+                async with aclosing(streams[0] if len(streams) == 1 else merged(streams)) as events:
+                    async for event in events:
+                        yield event
         finally:
+            if prefilling is not None and not prefilling.done():
+                prefilling.cancel()
             await self._end(flow)
+
+    def _continues(self, flow: RequestFlow, first: PrefillFirst) -> bool:
+        """Some choice goes on past its first token (a decode follows the prefill)."""
+        tokens = [first.first_token, *(c.token_id for c in first.other_choices)]
+        return any(self._finish_at_first(flow.request.sampling.for_choice(i), t) is None
+                   for i, t in enumerate(tokens))
+
+    def _first_events(self, flow: RequestFlow, first: PrefillFirst) -> list[TokenEvent]:
+        """Each choice's first token as the client sees it (usage and echo on the first)."""
+        tokens = [FirstToken(token_id=first.first_token, logprob=first.first_logprob),
+                  *first.other_choices]
+        return [TokenEvent(t.token_id,
+                           self._finish_at_first(flow.request.sampling.for_choice(i), t.token_id),
+                           cached_tokens=first.cached_tokens if i == 0 else 0,
+                           logprob=t.logprob, choice=i,
+                           prompt_logprobs=first.prompt_logprobs if i == 0 else None)
+                for i, t in enumerate(tokens)]
+
+    @staticmethod
+    def _as_first(result: PrefillResult) -> PrefillFirst:
+        """A result's first tokens."""
+        return PrefillFirst(first_token=result.first_token, cached_tokens=result.cached_tokens,
+                            first_logprob=result.first_logprob,
+                            prompt_logprobs=result.prompt_logprobs,
+                            other_choices=result.other_choices)
+
+    @staticmethod
+    def _pinned(result: PrefillResult, first: PrefillFirst | None) -> PrefillResult:
+        """`result` with the first tokens the client already has (a re-sent prefill may have
+        sampled others: its prompt KV is the same, its tokens are not what was streamed)."""
+        if first is None:
+            return result
+        return result.model_copy(update={"first_token": first.first_token,
+                                         "first_logprob": first.first_logprob,
+                                         "other_choices": first.other_choices})
 
     @staticmethod
     def _choice_flow(flow: RequestFlow, index: int) -> RequestFlow:
@@ -105,18 +166,8 @@ class RequestPath:
         return RequestFlow(request, flow.keys, flow.plan, result=result, choice=index)
 
     async def _decode_choice(self, flow: RequestFlow, rid: str) -> AsyncIterator[TokenEvent]:
-        """One choice's tokens: its first (from the prefill), then its decode stream; the
+        """One choice's tokens after its first (from the prefill): its decode stream; the
         scheduler counts them for request `rid`."""
-        result = flow.result
-        assert result is not None
-        first = result.first_token
-        finish = self._finish_at_first(flow.request, first)
-        lead = flow.choice == 0
-        yield TokenEvent(first, finish, cached_tokens=result.cached_tokens if lead else 0,
-                         logprob=result.first_logprob, choice=flow.choice,
-                         prompt_logprobs=result.prompt_logprobs if lead else None)
-        if finish is not None:  # no decode instance will read the tail (`_end` drops it)
-            return
         async with aclosing(self._moves.decode(flow, self._calls.decode)) as events:
             async for event in events:
                 self.scheduler.token(rid)
@@ -155,9 +206,8 @@ class RequestPath:
         flow.reserved_on = decode
 
     @staticmethod
-    def _finish_at_first(request: GenerateRequest, first: int) -> str | None:
-        """The finish reason if the first token (from prefill) ends the request."""
-        sampling = request.sampling
+    def _finish_at_first(sampling: SamplingParams, first: int) -> str | None:
+        """The finish reason if a choice's first token (from prefill) ends it."""
         if first in sampling.eos_token_ids and not sampling.ignore_eos:
             return "stop"
         if sampling.max_tokens == 1:

@@ -2,15 +2,21 @@
 
 The HTTP side only: one route takes a job to the worker (`worker.py`: jobs batched into forward
 passes, KV written to the store) and maps what can go wrong to the status the conductor acts on.
+Its answer streams: the first tokens as soon as the prompt is computed (the conductor passes them
+to the client at once), then the result once the prompt's KV is in the store.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, HTTPException
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.engine.kv_cache import OutOfBlocks
@@ -23,7 +29,7 @@ from mooncake_server.roles.prefill.worker import PrefillMetrics, PrefillWorker
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.wire.auth import require_secret
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
-from mooncake_server.wire.jobs import PrefillJob, PrefillResult
+from mooncake_server.wire.jobs import ErrorEvent, PrefillFirst, PrefillJob, PrefillResult
 from mooncake_server.wire.routes import PREFILL, serve
 
 log = logging.getLogger(__name__)
@@ -72,18 +78,54 @@ def build_app(config: ServerConfig) -> FastAPI:
     guard = Depends(require_secret(config.cluster_secret))
 
     @serve(app, PREFILL, dependencies=[guard])
-    async def prefill(job: PrefillJob) -> PrefillResult:
-        """Run one prefill job."""
-        metrics = state.metrics
-        try:
-            result = await state.running().run(job)
-        except OutOfBlocks as exc:
-            metrics.jobs.labels("no_kv_memory").inc()
-            raise HTTPException(503, f"prefill KV cache full: {exc}") from exc
-        except StoreError as exc:
-            metrics.jobs.labels("store_error").inc()
-            raise HTTPException(503, f"store transfer failed: {exc}") from exc
-        metrics.jobs.labels("ok").inc()
-        return result
+    async def prefill(job: PrefillJob) -> Response:
+        """Run one prefill job: NDJSON, its first tokens once the prompt is computed, then its
+        result once the KV is in the store (a failure before the first line is a status)."""
+        first: asyncio.Future[PrefillFirst] = asyncio.get_running_loop().create_future()
+
+        def on_first(tokens: PrefillFirst) -> None:
+            if not first.done():
+                first.set_result(tokens)
+
+        # NOTE: its own task: a conductor that goes away mid-answer leaves the job to finish
+        # (the store writes commit or abort as they would), as it did before answers streamed.
+        running = asyncio.ensure_future(state.running().run(job, on_first))
+        running.add_done_callback(_count_outcome)
+        await asyncio.wait([running, first], return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            return Response(_line(_result_or_status(running)), media_type="application/x-ndjson")
+
+        async def lines() -> AsyncIterator[bytes]:
+            yield _line(first.result())
+            try:
+                result = await asyncio.shield(running)
+            except Exception as exc:  # noqa: BLE001 - whatever failed, the conductor re-sends
+                yield _line(ErrorEvent(error=f"prefill failed after its first token: {exc}"))
+                return
+            yield _line(result)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    def _count_outcome(running: asyncio.Future[PrefillResult]) -> None:
+        exc = None if running.cancelled() else running.exception()
+        label = ("ok" if exc is None and not running.cancelled() else
+                 "no_kv_memory" if isinstance(exc, OutOfBlocks) else
+                 "store_error" if isinstance(exc, StoreError) else "failed")
+        state.metrics.jobs.labels(label).inc()
 
     return app
+
+
+def _result_or_status(running: asyncio.Future[PrefillResult]) -> PrefillResult:
+    """A job's result, or what went wrong as the HTTP status the conductor acts on."""
+    try:
+        return running.result()
+    except OutOfBlocks as exc:
+        raise HTTPException(503, f"prefill KV cache full: {exc}") from exc
+    except StoreError as exc:
+        raise HTTPException(503, f"store transfer failed: {exc}") from exc
+
+
+def _line(event: BaseModel) -> bytes:
+    """One NDJSON line."""
+    return event.model_dump_json().encode() + b"\n"

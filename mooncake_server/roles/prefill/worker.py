@@ -4,7 +4,8 @@ A job walks, in order:
   queued -> prefix lookup in the instance's own prefix cache (its paged pool keeps full blocks
   of earlier jobs, LRU-evicted) -> with `reuse: global`, the rest of the cached prefix read from
   the store -> space for the blocks the store lacks reserved on their store nodes (put_start) ->
-  uncached tokens computed -> first token sampled -> put_end (decode may read) -> full blocks
+  uncached tokens computed -> first token sampled (and told to the caller at once: the
+  conductor streams it while the rest goes on) -> put_end (decode may read) -> full blocks
   kept in the local cache, the rest freed -> the cache's changes reported to the conductor ->
   result. Blocks the store cannot take are left for decode to recompute.
 
@@ -29,6 +30,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -49,7 +51,7 @@ from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.store_client.kv_link import KVStoreLink
 from mooncake_server.wire.instances import PassSplit
-from mooncake_server.wire.jobs import FirstToken, PrefillJob, PrefillResult
+from mooncake_server.wire.jobs import FirstToken, PrefillFirst, PrefillJob, PrefillResult
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,8 @@ class _Task:
     passes: int = 0  # forward passes that computed some of its prompt
     compute_s: float = 0.0  # their compute time
     wait_s: float = 0.0  # their waits for the cores (a decode's steps beside them)
+    # Told the first tokens the moment the prompt is computed, before the store writes.
+    on_first: Callable[[PrefillFirst], None] | None = None
 
 
 class PrefillWorker:
@@ -135,9 +139,11 @@ class PrefillWorker:
         self.queued = 0
         self._answered_at = float("-inf")  # monotonic time jobs were last handed on
 
-    async def run(self, job: PrefillJob) -> PrefillResult:
-        """Prefill one job (batched with the jobs queued beside it)."""
-        task = _Task(job, asyncio.get_running_loop().create_future())
+    async def run(self, job: PrefillJob,
+                  on_first: Callable[[PrefillFirst], None] | None = None) -> PrefillResult:
+        """Prefill one job (batched with the jobs queued beside it); `on_first` is told its
+        first tokens as soon as its prompt is computed, before its KV is in the store."""
+        task = _Task(job, asyncio.get_running_loop().create_future(), on_first=on_first)
         self.queued += 1
         self.runner.cores.set_active(True)
         self._queue.append(task)
@@ -274,6 +280,14 @@ class PrefillWorker:
         """Finish the completed jobs, report the cache's changes, then answer their callers."""
         if not done:
             return
+        bt = self.kv.layout.block_tokens
+        for task, firsts in done:
+            if task.on_first is not None and not task.done.done():
+                assert task.seq is not None
+                task.on_first(PrefillFirst(
+                    first_token=firsts[0].token_id, cached_tokens=task.reused * bt,
+                    first_logprob=firsts[0].logprob, prompt_logprobs=task.seq.prompt_logprobs,
+                    other_choices=firsts[1:]))
         # The jobs' checksums and store writes are independent: all in flight at once.
         outcomes = await asyncio.gather(*(self._finish(task, first) for task, first in done),
                                         return_exceptions=True)
