@@ -104,6 +104,13 @@ class PrefillResult(BaseModel):
     prompt_logprobs: list[TokenLogprob | None] | None = None
     other_choices: list[FirstToken] = Field(default_factory=list)  # choices 1..n-1
 
+    def first_tokens(self) -> PrefillFirst:
+        """What the first line of a streamed answer would have carried."""
+        return PrefillFirst(first_token=self.first_token, cached_tokens=self.cached_tokens,
+                            first_logprob=self.first_logprob,
+                            prompt_logprobs=self.prompt_logprobs,
+                            other_choices=self.other_choices)
+
 
 class PrefillFirst(BaseModel):
     """A prefill's first output tokens, sent the moment its prompt is computed: the client

@@ -94,22 +94,27 @@ class RequestPath:
                 await asyncio.wait([prefilling, computed], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 computed.cancel()
-            first = flow.first
-            early = first is not None and self._continues(flow, first)
+            # Streamed early only if some choice goes on: a request that ends at its first token
+            # is answered once the result is in, so `_end` still cleans up its tail.
+            firsts = None if flow.first is None else self._first_events(flow, flow.first)
+            early = firsts is not None and any(e.finish_reason is None for e in firsts)
             if early:  # the client has these while the prompt's KV is still being written
-                assert first is not None
                 self.scheduler.first_token(rid)
-                for event in self._first_events(flow, first):
+                for event in firsts or ():
                     yield event
-            flow.result = self._pinned(await prefilling, flow.first)
+            result = await prefilling
+            flow.got_first(result.first_tokens())  # the streamed ones win over a re-send's
+            assert flow.first is not None
+            flow.result = self._pinned(result, flow.first)
+            if firsts is None:
+                firsts = self._first_events(flow, flow.first)
             if not early:
                 self.scheduler.first_token(rid)
-                for event in self._first_events(flow, self._as_first(flow.result)):
+                for event in firsts:
                     yield event
             choices = [flow] + [self._choice_flow(flow, i) for i in range(1, request.sampling.n)]
-            streams = [self._decode_choice(one, rid) for one in choices
-                       if one.result is not None
-                       and self._finish_at_first(one.sampling, one.result.first_token) is None]
+            streams = [self._decode_choice(one, rid) for one, first in zip(choices, firsts)
+                       if first.finish_reason is None]
             if streams:
                 # NOTE: aclosing, so closing this generator closes the decode streams now.
                 async with aclosing(streams[0] if len(streams) == 1 else merged(streams)) as events:
@@ -119,12 +124,6 @@ class RequestPath:
             if prefilling is not None and not prefilling.done():
                 prefilling.cancel()
             await self._end(flow)
-
-    def _continues(self, flow: RequestFlow, first: PrefillFirst) -> bool:
-        """Some choice goes on past its first token (a decode follows the prefill)."""
-        tokens = [first.first_token, *(c.token_id for c in first.other_choices)]
-        return any(self._finish_at_first(flow.request.sampling.for_choice(i), t) is None
-                   for i, t in enumerate(tokens))
 
     def _first_events(self, flow: RequestFlow, first: PrefillFirst) -> list[TokenEvent]:
         """Each choice's first token as the client sees it (usage and echo on the first)."""
@@ -138,19 +137,9 @@ class RequestPath:
                 for i, t in enumerate(tokens)]
 
     @staticmethod
-    def _as_first(result: PrefillResult) -> PrefillFirst:
-        """A result's first tokens."""
-        return PrefillFirst(first_token=result.first_token, cached_tokens=result.cached_tokens,
-                            first_logprob=result.first_logprob,
-                            prompt_logprobs=result.prompt_logprobs,
-                            other_choices=result.other_choices)
-
-    @staticmethod
-    def _pinned(result: PrefillResult, first: PrefillFirst | None) -> PrefillResult:
+    def _pinned(result: PrefillResult, first: PrefillFirst) -> PrefillResult:
         """`result` with the first tokens the client already has (a re-sent prefill may have
         sampled others: its prompt KV is the same, its tokens are not what was streamed)."""
-        if first is None:
-            return result
         return result.model_copy(update={"first_token": first.first_token,
                                          "first_logprob": first.first_logprob,
                                          "other_choices": first.other_choices})
