@@ -40,12 +40,17 @@ print(faults[0])
 PAGES_TOUCHED = 20 * (2048 * 3072 + 2 * 2048 * 1536) * 4 // 4096
 
 
-def run_passes(mode: str, env: dict[str, str] | None = None) -> tuple[str, int]:
-    """What keep_freed_memory answered in a fresh process, and its passes' page faults."""
+def fresh_python(script: str, mode: str, env: dict[str, str] | None = None) -> str:
+    """`script`'s output in a fresh interpreter whose malloc only `env` tunes."""
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    out = subprocess.run([sys.executable, "-c", PASSES, mode], env={**clean, **(env or {})},
-                         capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    return subprocess.run([sys.executable, "-c", script, mode], env={**clean, **(env or {})},
+                          capture_output=True, text=True, check=True, timeout=120).stdout
+
+
+def run_passes(mode: str, env: dict[str, str] | None = None) -> tuple[str, int]:
+    """What keep_freed_memory answered in a fresh process, and its passes' page faults."""
+    out = fresh_python(PASSES, mode, env).split()
     return out[0], int(out[1])
 
 
@@ -94,10 +99,7 @@ else:
 
 def thread_arena(mode: str, env: dict[str, str] | None = None) -> str:
     """'main' or 'own': the arena a second thread's allocation came from in a fresh process."""
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    return subprocess.run([sys.executable, "-c", ARENA, mode], env={**clean, **(env or {})},
-                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    return fresh_python(ARENA, mode, env).strip()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
