@@ -159,10 +159,14 @@ class Api:
     prompts: Prompts | None = None  # tfserve: turns ids into text
 
 
-def completion_body(api: Api, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
-    """The streamed, greedy, exactly-`max_tokens` /v1/completions body for `api`'s server."""
+def completion_body(api: Api, prompt: Sequence[int], max_tokens: int,
+                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The streamed, exactly-`max_tokens` /v1/completions body for `api`'s server.
+
+    Greedy unless `sampling` gives other fields (temperature, top_p, seed).
+    """
     body: dict[str, Any] = {"model": api.model, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True}
+                            "stream": True, **(sampling or {})}
     if api.kind == "tfserve":
         assert api.prompts is not None
         body["prompt"] = api.prompts.text(prompt)
@@ -197,14 +201,14 @@ def parse_chunk(line: str) -> dict[str, Any] | None:
 
 
 async def send(client: httpx.AsyncClient, api: Api, prompt: Sequence[int],
-               max_tokens: int) -> Result:
+               max_tokens: int, sampling: dict[str, Any] | None = None) -> Result:
     """One streamed completion; never raises (HTTP 429 = rejected, anything else wrong = error)."""
     out = Result("ok", prompt_tokens=len(prompt), requested_tokens=max_tokens)
     first_chunk: float | None = None
     start = time.perf_counter()
     try:
         async with client.stream("POST", f"{api.url}/v1/completions",
-                                 json=completion_body(api, prompt, max_tokens)) as r:
+                                 json=completion_body(api, prompt, max_tokens, sampling)) as r:
             if r.status_code != 200:
                 await r.aread()
                 out.status = "rejected" if r.status_code == 429 else "error"
@@ -306,12 +310,14 @@ def concurrent_summary(results: Sequence[Result], wall_s: float) -> dict[str, An
 
 
 async def concurrent_workload(api: Api, prompts: Prompts, n: int, prompt_tokens: int,
-                              output_tokens: int, timeout_s: float) -> dict[str, Any]:
+                              output_tokens: int, timeout_s: float,
+                              sampling: dict[str, Any] | None = None) -> dict[str, Any]:
     """`n` requests sent at once; figures over the wall time until the last one ends."""
     async with new_client(timeout_s) as client:
         start = time.perf_counter()
         results = await asyncio.gather(*(
-            send(client, api, prompts.random(prompt_tokens, f"conc:{i}"), output_tokens)
+            send(client, api, prompts.random(prompt_tokens, f"conc:{i}"), output_tokens,
+                 sampling)
             for i in range(n)))
         wall = time.perf_counter() - start
     return concurrent_summary(results, wall)

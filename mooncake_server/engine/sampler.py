@@ -3,6 +3,7 @@ per-request seeded generators."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -96,14 +97,60 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
     """Pick one token from `logits` [vocab] (float32; already through the request's rules)."""
     if params.greedy or params.temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    scaled = logits.float() / params.temperature
+    # softmax without its division: every step below compares or draws against the sum
+    weights = torch.exp(scaled - scaled.max())
     if params.top_p < 1.0:
-        sorted_probs, sorted_ids = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        keep = cumulative - sorted_probs < params.top_p
-        keep[0] = True  # NOTE: a top_p below float32's smallest value would otherwise keep none
-        sorted_probs = sorted_probs * keep
-        choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
-        return int(sorted_ids[choice].item())
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        kept, ids = nucleus(weights, params.top_p)
+        return int(ids[draw(kept, generator)].item())
+    return draw(weights, generator)
+
+
+# Candidate counts tried for top_p before sorting the whole vocabulary. The nucleus of a chat
+# token is mostly one to a few tokens, of an unlikely context hundreds to a few thousand
+# (SmolLM2 at temperature 0.7, top_p 0.9); over 49k weights top-k takes 0.1 / 0.24 / 0.6 ms
+# at these k, a full sort 3 ms.
+NUCLEUS_TRIES = (64, 1024, 8192)
+
+
+def nucleus(weights: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest heaviest prefix of `weights` [vocab] holding `top_p` of their sum, as
+    (weights, token ids), heaviest first; at least one token."""
+    limit = top_p * float(weights.sum())
+    for k in NUCLEUS_TRIES:
+        if k >= weights.numel():
+            break
+        values, ids = torch.topk(weights, k)
+        cumulative = values.cumsum(0)
+        # A token beyond the first k has at least cumulative[-1] before it: not kept then.
+        if cumulative[-1] >= limit:
+            return _prefix(values, ids, cumulative, limit)
+    values, ids = torch.sort(weights, descending=True)
+    return _prefix(values, ids, values.cumsum(0), limit)
+
+
+def _prefix(values: torch.Tensor, ids: torch.Tensor, cumulative: torch.Tensor,
+            limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted tokens whose preceding mass is below `limit`."""
+    keep = cumulative - values < limit
+    keep[0] = True  # NOTE: a top_p below float32's smallest value would otherwise keep none
+    return values[keep], ids[keep]
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """An index drawn with probability weights[i] / sum(weights): one uniform, inverse CDF.
+
+    torch.multinomial took 1 ms over a 49k vocabulary on these CPUs (per draw, on the engine
+    loop); a float64 cumulative sum and a binary search take ~0.1 ms and draw from the same
+    distribution.
+    """
+    cdf = weights.double().cumsum(0)
+    total = float(cdf[-1])
+    if not (total > 0.0 and math.isfinite(total)):
+        raise ValueError("no token has a positive, finite probability")
+    u = float(torch.rand((), dtype=torch.float64, generator=generator))
+    index = int(torch.searchsorted(cdf, torch.tensor(u * total, dtype=torch.float64),
+                                   right=True))
+    if index >= cdf.numel():  # u * total rounded up to the total: the last token with weight
+        index = int(weights.nonzero()[-1])
+    return index
