@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_server.config import ServerConfig, flags, load_yaml, parse_size
-from mooncake_server.malloc_tuning import keep_freed_memory
+from mooncake_server.malloc_tuning import keep_freed_memory, restart_with_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,8 @@ def _profile(argv: list[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point: bad flags exit 2 with one clear line."""
+    if argv is None:  # a real command line (tests call main with argv in their own process)
+        restart_with_huge_pages()
     keep_freed_memory()  # NOTE: first: it must precede every thread
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["profile"]:

@@ -244,6 +244,35 @@ def test_client_disconnect_frees_decode_blocks(all_cluster) -> None:
         time.sleep(0.2)
 
 
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _anon_huge_kb(pid: str) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+@pytest.mark.skipif("[madvise]" not in _thp_mode(), reason="THP is not in madvise mode here")
+def test_every_role_runs_on_huge_pages(all_cluster) -> None:
+    # glibc reads its tunables at start: the command line restarts itself with the huge-page
+    # one, and the roles it starts inherit it (malloc_tuning.restart_with_huge_pages)
+    pids = [str(all_cluster.proc.pid), *subprocess.run(
+        ["pgrep", "-P", str(all_cluster.proc.pid)], capture_output=True, text=True).stdout.split()]
+    assert len(pids) == 5
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in f.read().split(b"\0")
+    # the engines' weights: hundreds of MB each, on 2 MB pages
+    huge_mb = [_anon_huge_kb(pid) // 1024 for pid in pids]
+    assert sum(mb > 100 for mb in huge_mb) >= 2, huge_mb
+
+
 def test_ctrl_c_stops_every_role(all_cluster) -> None:
     children = subprocess.run(["pgrep", "-P", str(all_cluster.proc.pid)], capture_output=True,
                               text=True).stdout.split()

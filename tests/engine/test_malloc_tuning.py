@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+from mooncake_server.malloc_tuning import (HUGE_PAGES_TUNABLE, THP_MODE,
+                                          huge_pages_environment)
+
 # A forward thread's pattern: the same large activations allocated and freed pass after pass.
 PASSES = """
 import resource, sys, threading
@@ -108,3 +111,42 @@ def test_threads_keep_arenas_of_their_own() -> None:
     # (int8 one-token steps 13-14 ms -> 19-21 ms): the tuning must not do that.
     assert thread_arena("tuned") == "own"
     assert thread_arena("plain", {"MALLOC_ARENA_MAX": "1"}) == "main"
+
+
+def test_huge_pages_only_where_nobody_tuned_malloc_and_thp_wants_madvise() -> None:
+    madvise = "always [madvise] never\n"
+    env = huge_pages_environment({"PATH": "/bin"}, madvise)
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": HUGE_PAGES_TUNABLE}
+    assert huge_pages_environment(env, madvise) is None  # set already: no second restart
+    assert huge_pages_environment({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, madvise) is None
+    assert huge_pages_environment({"MALLOC_ARENA_MAX": "2"}, madvise) is None
+    assert huge_pages_environment({}, "[always] madvise never") is None
+    assert huge_pages_environment({}, "always madvise [never]") is None
+
+
+# A command line calling restart_with_huge_pages, then filling 64 MB from malloc.
+RESTART = """
+import ctypes, os
+from mooncake_server.malloc_tuning import keep_freed_memory, restart_with_huge_pages
+restart_with_huge_pages()
+print(os.environ.get("GLIBC_TUNABLES"), keep_freed_memory())
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+p = libc.malloc(64 << 20)
+ctypes.memset(p, 1, 64 << 20)
+print(sum(int(line.split()[1]) for line in open("/proc/self/smaps_rollup")
+          if line.startswith("AnonHugePages:")) // 1024)
+"""
+
+
+@pytest.mark.skipif(not THP_MODE.exists() or "[madvise]" not in THP_MODE.read_text(),
+                    reason="THP is not in madvise mode here")
+def test_the_command_line_restarts_itself_onto_huge_pages() -> None:
+    tunables, tuned, huge_mb = fresh_python(RESTART, "").split()
+    # the restart kept the mallopt tuning on (the tunable is ours, not the user's)
+    assert (tunables, tuned) == (HUGE_PAGES_TUNABLE, "True")
+    assert int(huge_mb) >= 32, huge_mb
+    # what the restart gives: without it the same 64 MB lies on 4 KiB pages
+    tunables, _, huge_mb = fresh_python(RESTART, "", {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+                                        ).split()
+    assert tunables == "glibc.malloc.hugetlb=0" and int(huge_mb) < 32
