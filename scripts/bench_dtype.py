@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serving as bs  # noqa: E402
 
-from mooncake_server.model_assets import resolve_model  # noqa: E402
 
 MODES = {
     "auto": [],  # what the server picks for this CPU
@@ -52,16 +51,14 @@ async def measure(api: bs.Api, prompts: bs.Prompts, tokens: int, reps: int) -> d
 
 def main() -> None:
     """Run every mode, then print the table with ratios to float32."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="auto,float32,bfloat16,int8")
-    p.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--model", default=None)
-    p.add_argument("--logs", default="/tmp/bench_dtype_logs")
-    args = p.parse_args()
-    model = resolve_model(args.model)
-    bs.print_cpu(bs.cpu_info())
-    prompts = bs.Prompts(model)
+
+    def flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--modes", default="auto,float32,bfloat16,int8")
+        p.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
+        p.add_argument("--reps", type=int, default=3)
+
+    args, model, prompts = bs.one_server_bench(__doc__.splitlines()[0], "/tmp/bench_dtype_logs",
+                                               flags)
     figures: dict[str, dict[str, float]] = {}
     for mode in args.modes.split(","):
         started = time.perf_counter()

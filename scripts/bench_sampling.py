@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serving as bs  # noqa: E402
 
-from mooncake_server.model_assets import resolve_model  # noqa: E402
 
 SETTINGS: dict[str, dict[str, Any] | None] = {
     "greedy": None,
@@ -64,15 +63,13 @@ async def run_all(api: bs.Api, prompts: bs.Prompts, rounds: int) -> dict[str, li
 
 def main() -> None:
     """Start the server, run every setting, print the table with ratios to greedy."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--role", default="colocated", choices=("colocated", "all"))
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--model", default=None)
-    p.add_argument("--logs", default="/tmp/bench_sampling_logs")
-    args = p.parse_args()
-    model = resolve_model(args.model)
-    bs.print_cpu(bs.cpu_info())
-    prompts = bs.Prompts(model)
+
+    def flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--role", default="colocated", choices=("colocated", "all"))
+        p.add_argument("--rounds", type=int, default=2)
+
+    args, model, prompts = bs.one_server_bench(__doc__.splitlines()[0],
+                                               "/tmp/bench_sampling_logs", flags)
     started = time.perf_counter()
     with bs.start_mooncake(args.role, ["--model", model], [], Path(args.logs)) as api:
         print(f"--role {args.role}: ready in {time.perf_counter() - started:.0f} s", flush=True)

@@ -42,7 +42,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -96,6 +96,23 @@ def print_cpu(info: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Prompts
+
+
+def one_server_bench(description: str, logs: str,
+                     add_flags: Callable[[argparse.ArgumentParser], None],
+                     ) -> tuple[argparse.Namespace, str, Prompts]:
+    """A one-server benchmark's start: its flags (plus --model, --logs), the model resolved,
+    the CPU printed, and the prompt maker."""
+    from mooncake_server.model_assets import resolve_model
+
+    p = argparse.ArgumentParser(description=description)
+    add_flags(p)
+    p.add_argument("--model", default=None)
+    p.add_argument("--logs", default=logs)
+    args = p.parse_args()
+    model = str(resolve_model(args.model))
+    print_cpu(cpu_info())
+    return args, model, Prompts(model)
 
 
 def word_token_ids(tokenizer: Any, lo: int = 1000) -> list[int]:
