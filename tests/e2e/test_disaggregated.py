@@ -244,7 +244,6 @@ def test_client_disconnect_frees_decode_blocks(all_cluster) -> None:
         time.sleep(0.2)
 
 
-
 def _thp_mode() -> str:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
