@@ -89,38 +89,27 @@ class PrefillJob(BaseModel):
     reuse: Reuse = "global"
 
 
-class PrefillResult(BaseModel):
-    """Outcome of a prefill: the first output token and where the prompt's KV now lives."""
-
-    request_id: str
-    first_token: int
-    cached_tokens: int  # prompt tokens whose KV came from the store instead of compute
-    tail_key: str | None  # store key of the partial last block (None if the prompt fills blocks)
-    block_checksums: list[int]  # CRC32C of each full block, then the tail, in key order
-    prefill_seconds: float
-    local_cached_tokens: int = 0  # of cached_tokens, those found in the instance's own cache
-    first_logprob: TokenLogprob | None = None  # with sampling.logprobs
-    # With sampling.prompt_logprobs (echo): one entry per prompt token, None for the first.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    other_choices: list[FirstToken] = Field(default_factory=list)  # choices 1..n-1
-
-    def first_tokens(self) -> PrefillFirst:
-        """What the first line of a streamed answer would have carried."""
-        return PrefillFirst(first_token=self.first_token, cached_tokens=self.cached_tokens,
-                            first_logprob=self.first_logprob,
-                            prompt_logprobs=self.prompt_logprobs,
-                            other_choices=self.other_choices)
-
-
 class PrefillFirst(BaseModel):
     """A prefill's first output tokens, sent the moment its prompt is computed: the client
     streams them while the prompt's KV is still being written to the store."""
 
     first_token: int
-    cached_tokens: int = 0
-    first_logprob: TokenLogprob | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the store instead of compute
+    first_logprob: TokenLogprob | None = None  # with sampling.logprobs
+    # With sampling.prompt_logprobs (echo): one entry per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     other_choices: list[FirstToken] = Field(default_factory=list)  # choices 1..n-1
+
+
+class PrefillResult(PrefillFirst):
+    """Outcome of a prefill: its first tokens (what its first line carried) and where the
+    prompt's KV now lives."""
+
+    request_id: str
+    tail_key: str | None  # store key of the partial last block (None if the prompt fills blocks)
+    block_checksums: list[int]  # CRC32C of each full block, then the tail, in key order
+    prefill_seconds: float
+    local_cached_tokens: int = 0  # of cached_tokens, those found in the instance's own cache
 
 
 class PrefillCacheReport(BaseModel):

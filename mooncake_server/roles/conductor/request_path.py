@@ -103,7 +103,7 @@ class RequestPath:
                 for event in firsts or ():
                     yield event
             result = await prefilling
-            flow.got_first(result.first_tokens())  # the streamed ones win over a re-send's
+            flow.got_first(result)  # the streamed ones win over a re-send's
             assert flow.first is not None
             flow.result = self._pinned(result, flow.first)
             if firsts is None:

@@ -281,15 +281,19 @@ class PrefillWorker:
         if not done:
             return
         bt = self.kv.layout.block_tokens
+        told = []
         for task, firsts in done:
+            assert task.seq is not None
+            first = PrefillFirst(first_token=firsts[0].token_id, cached_tokens=task.reused * bt,
+                                 first_logprob=firsts[0].logprob,
+                                 prompt_logprobs=task.seq.prompt_logprobs,
+                                 other_choices=firsts[1:])
             if task.on_first is not None and not task.done.done():
-                assert task.seq is not None
-                task.on_first(PrefillFirst(
-                    first_token=firsts[0].token_id, cached_tokens=task.reused * bt,
-                    first_logprob=firsts[0].logprob, prompt_logprobs=task.seq.prompt_logprobs,
-                    other_choices=firsts[1:]))
+                task.on_first(first)
+            told.append(first)
         # The jobs' checksums and store writes are independent: all in flight at once.
-        outcomes = await asyncio.gather(*(self._finish(task, first) for task, first in done),
+        outcomes = await asyncio.gather(*(self._finish(task, first)
+                                          for (task, _), first in zip(done, told)),
                                         return_exceptions=True)
         self.metrics.cache_blocks.set(self.cache.num_cached)
         if self.reporter is not None:
@@ -368,7 +372,7 @@ class PrefillWorker:
             except StoreError as exc:
                 log.warning("cannot reserve store space, writing after the forward: %s", exc)
 
-    async def _finish(self, task: _Task, firsts: list[FirstToken]) -> PrefillResult:
+    async def _finish(self, task: _Task, first: PrefillFirst) -> PrefillResult:
         """Checksums, the store writes committed, full blocks kept in the local cache."""
         seq, bt = task.seq, self.kv.layout.block_tokens
         assert seq is not None
@@ -390,11 +394,9 @@ class PrefillWorker:
                  "(compute %.2f s, waits for the cores %.2f s)", task.job.request_id,
                  n - task.reused * bt, n, task.passes, elapsed, task.started - task.queued_at,
                  task.compute_s, task.wait_s)
-        return PrefillResult(request_id=task.job.request_id, first_token=firsts[0].token_id,
-                             cached_tokens=task.reused * bt, tail_key=task.tail_key,
-                             block_checksums=checksums, prefill_seconds=elapsed,
-                             local_cached_tokens=task.hit * bt, first_logprob=firsts[0].logprob,
-                             prompt_logprobs=seq.prompt_logprobs, other_choices=firsts[1:])
+        return PrefillResult(**dict(first), request_id=task.job.request_id,
+                             tail_key=task.tail_key, block_checksums=checksums,
+                             prefill_seconds=elapsed, local_cached_tokens=task.hit * bt)
 
     def _streams_layers(self) -> bool:
         """--kv-write; `auto` streams layers only where copying does not slow the forward.
