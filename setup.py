@@ -1,4 +1,4 @@
-"""Build the native transfer engine; all package metadata lives in pyproject.toml.
+"""Build the native transfer engine and the int8 linear kernel; metadata lives in pyproject.toml.
 
 The RDMA transport is compiled in only where `infiniband/verbs.h` is present (Debian:
 libibverbs-dev); elsewhere native/te_rdma.c builds stubs that report RDMA as unavailable.
@@ -6,6 +6,7 @@ libibverbs-dev); elsewhere native/te_rdma.c builds stubs that report RDMA as una
 
 from __future__ import annotations
 
+import platform
 import shlex
 import subprocess
 import sysconfig
@@ -46,7 +47,26 @@ def transfer_engine_extension() -> object:
     )
 
 
+def int8_vnni_extension() -> object | None:
+    """The int8 linear kernel for AVX512-VNNI (x86-64 only; used where the CPU has it).
+
+    OpenMP: the library resolves to the libgomp torch has loaded (same soname), so the kernel
+    runs on torch's thread team and sizes it as torch's own ops do.
+    """
+    from setuptools import Extension
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    return Extension(
+        "mooncake_server.engine._int8_vnni",
+        sources=[str(NATIVE / "linear" / "int8_vnni.c")],
+        extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", *WARNINGS, "-fvisibility=hidden"],
+        extra_link_args=["-fopenmp"],
+    )
+
+
 if __name__ == "__main__":
     from setuptools import setup
 
-    setup(ext_modules=[transfer_engine_extension()])
+    extensions = [transfer_engine_extension(), int8_vnni_extension()]
+    setup(ext_modules=[e for e in extensions if e is not None])

@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 matmul in hardware
 INT8_FLAGS = ("avx512_vnni", "avx_vnni", "avx2")  # fbgemm's int8 kernels
+VNNI_FLAGS = ("avx512bw", "avx512_vnni")  # vnni_linear.py's int8 kernel
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ class CpuFeatures:
     def int8(self) -> bool:
         """int8 matmul kernels (fbgemm) have the vector units they need."""
         return any(f in self.flags for f in INT8_FLAGS)
+
+    @property
+    def vnni(self) -> bool:
+        """512-bit int8 dot products (VPDPBUSD), which vnni_linear.py's kernel needs."""
+        return all(f in self.flags for f in VNNI_FLAGS)
 
     def describe(self) -> str:
         """A log line: model name and the flags that matter here."""

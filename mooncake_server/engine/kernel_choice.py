@@ -32,6 +32,7 @@ from torch import nn
 
 from mooncake_server.engine.cpu import CpuFeatures
 from mooncake_server.engine.linears import KERNELS, bf16_packing_supported
+from mooncake_server.engine.vnni_linear import vnni_supported
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ def kernel_candidates(cpu: CpuFeatures) -> list[str]:
         kernels.append("bfloat16")
     if cpu.int8 and "fbgemm" in torch.backends.quantized.supported_engines:
         kernels.append("int8")
+    if cpu.vnni and vnni_supported():
+        kernels.append("int8-vnni")
     return kernels
 
 
@@ -171,7 +174,7 @@ def _relative_times(built: dict[str, list[nn.Module]], rows: Sequence[int],
 
 def default_choice(kernels: Sequence[str], relative: dict[str, dict[int, float]]) -> KernelChoice:
     """What the CPU flags suggest when timings cannot be trusted (measured on an AMX part)."""
-    small = "int8" if "int8" in kernels else "float32"
+    small = next((k for k in ("int8-vnni", "int8") if k in kernels), "float32")
     large = "bfloat16" if "bfloat16" in kernels else small
     return KernelChoice(small, large, 4 if small != large else max(ROWS), relative, False)
 

@@ -13,6 +13,8 @@ Replacements of `nn.Linear`, applied to every linear of the loaded model:
   rounding with what shares its step; greedy output is compared with HF running the same module.
   The output projection (lm_head) is the exception: it keeps 16-bit weights (`Fp16WeightLinear`,
   see `OUTPUT_PROJECTION`).
+- `VnniInt8Linear` (vnni_linear.py, CPUs with AVX512-VNNI): an int8 GEMV for decode-sized calls,
+  activations quantized per row; a candidate of `--dtype auto` only.
 
 `--dtype auto` (float32 activations and KV) gives each linear the kernel measured fastest for
 the pass at hand (kernel_choice.py): `BatchSizedLinear` switches between two by the rows of the
@@ -28,6 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from mooncake_server.engine.vnni_linear import VnniInt8Linear
 
 if TYPE_CHECKING:
     from mooncake_server.engine.kernel_choice import KernelChoice
@@ -141,20 +145,24 @@ KERNELS: dict[str, Callable[[nn.Linear], nn.Module]] = {
     "float32": lambda linear: linear,
     "bfloat16": FloatBF16Linear,
     "int8": int8_linear,
+    "int8-vnni": VnniInt8Linear,
     "fp16-weights": Fp16WeightLinear,
 }
+# Kernels that quantize activations to int8: not for the output projection (below).
+INT8_ACTIVATIONS = frozenset({"int8", "int8-vnni"})
 
 # The output projection's input (the final norm's output) carries a few channels 25-40x its
 # median, and int8 quantizes a call's activations with one scale: on the README question the
 # int8 lm_head's logits were 5% off float32's (relative L2, float32 layers before it) and its
 # first token was wrong; served under --dtype auto the answer was "L'Étoile, la Marseur, ...".
-# LLM quantizers (GPTQ, AWQ) keep the lm_head unquantized too; here it keeps 16-bit weights.
+# A scale per row does not help: the outliers are channels, in every row. LLM quantizers (GPTQ,
+# AWQ) keep the lm_head unquantized too; here it keeps 16-bit weights.
 OUTPUT_PROJECTION = "lm_head"
 
 
 def output_kernel(kernel: str) -> str:
     """The kernel the output projection runs where the others run `kernel`."""
-    if kernel != "int8":
+    if kernel not in INT8_ACTIVATIONS:
         return kernel
     return "fp16-weights" if fp16_weights_supported() else "float32"
 
@@ -227,7 +235,7 @@ def prepare_linears(model: nn.Module, dtype: torch.dtype, quantization: str,
         choice = measure(linears)
         n = apply_kernels(model, choice)
         held = (f"; {OUTPUT_PROJECTION} {output_kernel('int8')} instead of int8"
-                if "int8" in (choice.small, choice.large) else "")
+                if INT8_ACTIVATIONS & {choice.small, choice.large} else "")
         return f"{n} linears measured fastest: {choice.describe()}{held}"
     if quantization == "int8":
         if dtype != torch.float32:

@@ -29,9 +29,10 @@ from mooncake_server.engine.linears import (
     int8_linear,
     prepare_linears,
 )
+from mooncake_server.engine.vnni_linear import vnni_supported
 
 AMX = "processor : 0\nmodel name : Intel(R) Xeon(R) Platinum 8480+\nflags : fpu sse2 avx2 " \
-      "avx512f avx512_bf16 amx_bf16 amx_tile avx512_vnni\n\nprocessor : 1\nflags : fpu\n"
+      "avx512f avx512bw avx512_bf16 amx_bf16 amx_tile avx512_vnni\n\nprocessor : 1\nflags : fpu\n"
 AVX2 = "processor : 0\nmodel name : AMD EPYC 7B12\nflags : fpu sse2 avx avx2 fma\n"
 OLD = "processor : 0\nmodel name : QEMU Virtual CPU\nflags : fpu sse2\n"
 
@@ -43,12 +44,14 @@ def test_amx_cpu_times_bf16_and_int8_beside_fp32() -> None:
     kernels = kernel_candidates(cpu)
     assert kernels[0] == "float32"
     assert ("bfloat16" in kernels) == bf16_packing_supported()
+    assert ("int8-vnni" in kernels) == vnni_supported()
 
 
 def test_avx2_only_cpu_never_times_bf16() -> None:
     """torch's bf16 GEMM runs ~100x slower than fp32 there: not even worth one timing."""
     kernels = kernel_candidates(parse_cpuinfo(AVX2))
     assert "bfloat16" not in kernels and "float32" in kernels
+    assert "int8-vnni" not in kernels  # the kernel's VPDPBUSD is AVX512-VNNI
 
 
 def test_cpu_without_vector_units_keeps_plain_float32() -> None:

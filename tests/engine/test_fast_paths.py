@@ -17,6 +17,7 @@ from mooncake_server.engine.linears import bf16_packing_supported, prepare_linea
 from mooncake_server.engine.llama_stack import LlamaStack, supports
 from mooncake_server.engine.model_runner import ModelRunner, StepItem, packed_forward
 from mooncake_server.engine.sequence import Sequence
+from mooncake_server.engine.vnni_linear import vnni_supported
 from mooncake_server.wire.jobs import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
@@ -138,6 +139,16 @@ def test_measured_kernels_greedy_equals_hf_with_the_same_kernels(tiny_model_pair
     choice = choose_kernels({"int8": {1: 1.0, 4: 1.5, 16: 4.0, 256: 9.0},
                              "bfloat16": {1: 2.0, 4: 2.0, 16: 2.0, 256: 3.0}})
     assert (choice.small, choice.up_to, choice.large) == ("int8", 4, "bfloat16")
+    _greedy_with_linears(tiny_model_pair, torch.float32, "auto", choice)
+
+
+@pytest.mark.skipif(not vnni_supported(), reason="this CPU has no AVX512-VNNI")
+def test_vnni_kernels_greedy_equals_hf_with_the_same_kernels(tiny_model_pair) -> None:
+    """--dtype auto on an AVX512-VNNI CPU: the VNNI int8 GEMV for decode-sized calls."""
+    large = "bfloat16" if bf16_packing_supported() else "float32"
+    choice = choose_kernels({"int8-vnni": {1: 1.0, 16: 1.5, 256: 9.0},
+                             large: {1: 2.0, 16: 2.0, 256: 3.0}})
+    assert (choice.small, choice.up_to, choice.large) == ("int8-vnni", 16, large)
     _greedy_with_linears(tiny_model_pair, torch.float32, "auto", choice)
 
 
