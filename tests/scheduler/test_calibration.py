@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from sched_helpers import Clock
 
-from mooncake_server.cost_model.calibration import SmoothedCalibration, TailCalibration
+from mooncake_server.cost_model.calibration import (
+    GapTailCalibration,
+    SmoothedCalibration,
+    TailCalibration,
+)
 
 
 def test_the_tail_forgets_slow_steps_once_they_are_older_than_the_horizon() -> None:
@@ -92,3 +96,28 @@ def test_the_tail_mean_reads_a_long_tail_as_the_slo_judges_it() -> None:
         mean.add(ratio, 1.0)
     assert quantile.value == pytest.approx(2.0)
     assert mean.value == pytest.approx(sum(tail) / len(tail))
+
+
+def test_a_gap_tail_counts_a_slow_step_and_a_long_wait_only_when_they_came_together() -> None:
+    """A tenth of the gaps wait 100 ms behind a prefill pass, another tenth are 3x slow steps
+    (a neighbour on the cores): no gap had both, so none took 160 ms."""
+    cal = GapTailCalibration(clock=Clock())
+    for i in range(100):
+        slow, waited = i % 10 == 5, i % 10 == 0
+        cal.add(0.06 if slow else 0.02, 0.02, wait_s=0.1 if waited else 0.0)
+    assert cal.split(0.02) == pytest.approx((1.0, 0.1))
+    assert cal.predict(0.02) == pytest.approx(0.12)
+    # A step modelled 10x longer: the slow steps are the tail now, and the wait is not scaled.
+    assert cal.predict(0.2) == pytest.approx(0.6)
+
+
+def test_a_gap_tail_forgets_by_time() -> None:
+    clock = Clock()
+    cal = GapTailCalibration(horizon_s=10.0, clock=clock)
+    assert cal.split(0.05) == (1.0, 0.0)
+    for _ in range(50):
+        cal.add(1.0, 0.05, wait_s=0.5)  # an overload
+    assert cal.predict(0.05) == pytest.approx(1.5)
+    clock.now += 10.0
+    assert cal.recent == 0
+    assert cal.predict(0.05) == pytest.approx(0.05)  # back on the model

@@ -76,7 +76,7 @@ def test_slow_decode_steps_raise_tbt_estimates() -> None:
 def test_an_idle_instance_forgets_what_an_overload_measured() -> None:
     clock = Clock()
     t = LoadTracker(clock, horizon_s=10.0)
-    for i in range(5):  # prefills 3x and hand-offs 10x slower than modelled
+    for i in range(5):  # prefills 3x slower than modelled, hand-offs of 0.5 s
         t.assign(f"r{i}", "p1", 1.0, "d1", 100)
         clock.now += 3.0
         t.prefill_done(f"r{i}")
@@ -88,11 +88,11 @@ def test_an_idle_instance_forgets_what_an_overload_measured() -> None:
         t.finished(f"r{i}")
     assert t.calibration("p1") > 2.0
     assert t.decode_calibration("d1") == pytest.approx(4.0)
-    assert t.handoff_calibration("d1") == pytest.approx(10.0)
+    assert t.handoff_s("d1") == pytest.approx(0.5)
     clock.now += 10.0  # nothing admitted since: nothing measured
     assert t.calibration("p1") == 1.0
     assert t.decode_calibration("d1") == 1.0
-    assert t.handoff_calibration("d1") == 1.0
+    assert t.handoff_s("d1") == 0.0
     t.assign("next", "p1", 1.0, "d1", 10)
     assert t.prefill_queue_s("p1") == pytest.approx(1.0)  # the model's estimate again
 

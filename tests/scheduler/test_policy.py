@@ -231,7 +231,28 @@ def test_tbt_is_judged_on_the_longest_tenth_of_gaps_as_the_slo_is() -> None:
     assert judged_tbt(steady, handoff, max_tokens=5) == pytest.approx(0.6)  # 4 gaps: the worst
     # 60 gaps: the longest 6 are the hand-off and five steady ones.
     assert judged_tbt(steady, handoff, max_tokens=61) == pytest.approx((0.6 + 5 * 0.1) / 6)
+    # 14 gaps: a client averages the longest two (the tenth rounded up), not the worst alone
+    assert judged_tbt(steady, handoff, max_tokens=15) == pytest.approx((0.6 + 0.1) / 2)
     assert judged_tbt(0.3, 0.2, max_tokens=61) == pytest.approx(0.3)  # steady steps are worse
+
+
+async def test_a_short_answer_is_judged_by_the_hand_offs_measured_in_seconds() -> None:
+    """A two-token answer's TBT is its hand-off gap: the recent hand-offs' 95th percentile, in
+    seconds, whatever the batch (they are mostly waits); twice the step when none is recent."""
+    s = scheduler("cache-global", tbt_slo=0.2, decode=1)
+    plan = await s.plan(request("first", 100, max_tokens=2), keys(100))
+    assert plan is not None and plan.tbt_s == pytest.approx(2 * 0.025)  # batch of 1: 25 ms
+    s.release("first")
+    for i in range(20):  # hand-offs of 120 ms (one in ten 190 ms) at a batch of one
+        s.tracker.assign(f"h{i}", "p1", 0.0, "d1", 100)
+        s.first_token(f"h{i}")
+        s.tracker._clock.now += 0.19 if i % 10 == 0 else 0.12  # type: ignore[attr-defined]
+        s.token(f"h{i}")
+        s.release(f"h{i}")
+    for i in range(6):  # a batch of six now; a step is 50 ms
+        s.tracker.assign(f"run{i}", "p1", 0.0, "d1", 100)
+    plan = await s.plan(request("short", 100, max_tokens=2), keys(100))
+    assert plan is not None and plan.tbt_s == pytest.approx(0.19)
 
 
 async def test_a_decode_instances_wait_for_the_cores_is_added_to_its_steps() -> None:
@@ -243,7 +264,7 @@ async def test_a_decode_instances_wait_for_the_cores_is_added_to_its_steps() -> 
     s.registry.heartbeat(Heartbeat(instance_id="d1", running=2, step_ratio=1.0, wait_s=0.03))
     # A batch of 3: 35 ms + 30 ms waited (a ratio of the one-sequence step would say 80 ms).
     plan = await s.plan(request("ok", 100, max_tokens=64), keys(100))
-    assert plan is not None and plan.tbt_s == pytest.approx(0.065 + (0.07 - 0.065) / 6)
+    assert plan is not None and plan.tbt_s == pytest.approx(0.065 + (0.07 - 0.065) / 7)
     s.registry.heartbeat(Heartbeat(instance_id="d1", running=3, step_ratio=1.0, wait_s=0.07))
     with pytest.raises(SLORejected, match="TBT"):  # 40 + 70 ms
         await s.plan(request("r", 100, max_tokens=64), keys(100))

@@ -10,7 +10,8 @@ refused (HTTP 503, which the conductor turns into another decode instance or a 4
     is the step itself — the cost model (--profile or built-in), calibrated by the steps this
     instance computed in the last `horizon_s` seconds (their slow tail: TBT is judged on the
     longest gaps) — plus the wait for the cores before it (a prefill pass beside it on one
-    machine; their slow tail, in seconds: it does not grow with the batch).
+    machine, in seconds: it does not grow with the batch). The tail is taken of each gap's
+    step and wait together (calibration.GapTailCalibration).
 An idle instance takes any request, so one too large for the SLO alone is still served; and an
 instance that ran no steps for `horizon_s` predicts with the bare model again, so an overload's
 slow steps do not outlive it.
@@ -22,11 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mooncake_server.cost_model.calibration import (
-    DEFAULT_HORIZON_S,
-    TailMeanCalibration,
-    TailMeanSeconds,
-)
+from mooncake_server.cost_model.calibration import DEFAULT_HORIZON_S, GapTailCalibration
 from mooncake_server.cost_model.perf_model import PerfModel
 
 
@@ -55,8 +52,7 @@ class DecodeAdmission:
         self.model = model
         self.tbt_slo_s = tbt_slo_s
         self.ttl_s = ttl_s
-        self._calibration = TailMeanCalibration(horizon_s=horizon_s, clock=clock)
-        self._wait = TailMeanSeconds(horizon_s=horizon_s, clock=clock)
+        self._gaps = GapTailCalibration(horizon_s=horizon_s, clock=clock)
         self.refused = 0
         self._clock = clock
         self._held: dict[str, _Hold] = {}
@@ -89,21 +85,30 @@ class DecodeAdmission:
         """The request's stream ended (or its decode job will never come)."""
         self._held.pop(request_id, None)
 
+    def gap_split(self) -> tuple[float, float]:
+        """(measured / modelled step, seconds waited for the cores) of the slow tail of the last
+        horizon_s's gaps, judged at the step the held requests and one more would make."""
+        if self.model is None:
+            return 1.0, 0.0
+        self._expire()
+        context = sum(h.context for h in self._held.values())
+        return self._gaps.split(self.model.decode_step_s(len(self._held) + 1, context))
+
     @property
     def calibration(self) -> float:
-        """Measured / modelled step time (the slow tail of the steps of the last horizon_s)."""
-        return self._calibration.value
+        """Measured / modelled step time in the slow tail of recent gaps (`gap_split`)."""
+        return self.gap_split()[0]
 
     @property
     def wait_s(self) -> float:
-        """Seconds a step waits for the cores (the slow tail of the last horizon_s)."""
-        return self._wait.value
+        """Seconds waited for the cores in the slow tail of recent gaps (`gap_split`)."""
+        return self.gap_split()[1]
 
     def predicted_step_s(self, batch: int, context: int) -> float | None:
         """Calibrated token gap of a batch (step and wait); None without a cost model."""
         if self.model is None:
             return None
-        return self.model.decode_step_s(batch, context) * self.calibration + self.wait_s
+        return self._gaps.predict(self.model.decode_step_s(batch, context))
 
     def observe_step(self, batch: int, context: int, compute_s: float,
                      wait_s: float = 0.0) -> None:
@@ -111,8 +116,7 @@ class DecodeAdmission:
         predictions."""
         if self.model is None or batch <= 0:
             return
-        self._calibration.add(compute_s, self.model.decode_step_s(batch, context))
-        self._wait.add_seconds(wait_s)
+        self._gaps.add(compute_s, self.model.decode_step_s(batch, context), wait_s)
 
     def _admit(self, request_id: str, prompt_tokens: int, max_tokens: int,
                expires_at: float | None) -> None:

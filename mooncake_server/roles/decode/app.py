@@ -279,10 +279,11 @@ def _heartbeat(iid: str, loop: WriteBackLoop, free_blocks: int,
                admission: DecodeAdmission) -> Heartbeat:
     """Load, and with a cost model, how this instance's steps compare with it."""
     timed = admission.model is not None
+    ratio, wait = admission.gap_split()
     return Heartbeat(instance_id=iid, running=loop.load[0], waiting=loop.load[1],
                      free_blocks=free_blocks,
-                     step_ratio=admission.calibration if timed else None,
-                     wait_s=admission.wait_s if timed else None)
+                     step_ratio=ratio if timed else None,
+                     wait_s=wait if timed else None)
 
 
 def _admission(config: ServerConfig, total_blocks: int, max_model_len: int) -> DecodeAdmission:

@@ -7,11 +7,13 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mooncake_server.roles.conductor.scheduler.outcomes import TBT_MISSED, TTFT_MISSED, WITHIN
 from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler
 
 
 class SchedulerCollector(Collector):
-    """Rejections, requests in flight, and each prefill instance's estimated queue."""
+    """Rejections, requests in flight and their outcomes, and each prefill instance's estimated
+    queue."""
 
     def __init__(self, scheduler: KVCacheScheduler) -> None:
         self._scheduler = scheduler
@@ -28,6 +30,12 @@ class SchedulerCollector(Collector):
                                       "Requests placed and not finished")
         in_flight.add_metric([], s.tracker.in_flight())
         yield in_flight
+        outcomes = CounterMetricFamily(
+            "mooncake_scheduler_outcomes", "Placed requests by what they got against the SLOs "
+            "(TBT: the mean of a request's longest tenth of token gaps)", labels=["outcome"])
+        for outcome in (WITHIN, TTFT_MISSED, TBT_MISSED):
+            outcomes.add_metric([outcome], s.outcomes.counts[outcome])
+        yield outcomes
         queue = GaugeMetricFamily("mooncake_scheduler_prefill_queue_seconds",
                                   "Estimated wait before a prefill instance starts a new job",
                                   labels=["instance"])

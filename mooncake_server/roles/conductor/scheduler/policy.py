@@ -45,6 +45,7 @@ from mooncake_server.roles.conductor.scheduler.oracle import (
     NoPrefixOracle,
     PrefixOracle,
 )
+from mooncake_server.roles.conductor.scheduler.outcomes import RequestOutcomes
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 from mooncake_server.wire.jobs import Reuse
 
@@ -61,7 +62,7 @@ def judged_tbt(steady_s: float, handoff_s: float, max_tokens: int) -> float:
     of gaps met the SLO: one slow hand-off in 60 gaps moves that mean by a sixth of its excess.
     """
     worst = max(steady_s, handoff_s)
-    k = max(1, round(0.1 * (max_tokens - 1)))  # gaps judged: the longest tenth
+    k = max(1, math.ceil(0.1 * (max_tokens - 1)))  # gaps judged: the longest tenth, as clients
     return (worst + (k - 1) * steady_s) / k
 
 
@@ -120,6 +121,7 @@ class KVCacheScheduler:
         registry.on_register(lambda info: self.tracker.registered(info.instance_id,
                                                                   info.incarnation))
         self.rejected = 0
+        self.outcomes = RequestOutcomes(ttft_slo_s, tbt_slo_s)
         self._rng = rng or random.Random()
 
     # ---- Algorithm 1 --------------------------------------------------------------------------
@@ -138,6 +140,7 @@ class KVCacheScheduler:
             self.tracker.assign(request.request_id, est.instance_id, uncalibrated,
                                 plan.decode.instance_id, len(request.prompt_token_ids),
                                 own_split=est.split)
+            self.outcomes.placed(request.request_id, est.ttft_s, plan.tbt_s)
         return plan
 
     def decide(self, request: GenerateRequest, hits: dict[str, int]) -> Plan | None:
@@ -229,11 +232,12 @@ class KVCacheScheduler:
         if beat is not None and beat.step_ratio is not None:
             # The instance's own split: its steps scale with the batch, its wait for the cores
             # (a prefill pass beside it) does not. Gaps seen here mix the two into one ratio.
-            steady = step * beat.step_ratio + (beat.wait_s or 0.0)
+            own = step * beat.step_ratio
+            steady = own + (beat.wait_s or 0.0)
         else:
-            steady = step * self.tracker.decode_calibration(iid)
-        tbt = judged_tbt(steady, HANDOFF_STEPS * step * self.tracker.handoff_calibration(iid),
-                         request.sampling.max_tokens)
+            own = steady = step * self.tracker.decode_calibration(iid)
+        handoff = max(HANDOFF_STEPS * own, self.tracker.handoff_s(iid))
+        tbt = judged_tbt(steady, handoff, request.sampling.max_tokens)
         need = -(-(n + request.sampling.max_tokens) // self.block_tokens)
         fits = beat is None or beat.free_blocks is None or beat.free_blocks >= need
         return _DecodeChoice(info, tbt, fits)
@@ -265,10 +269,12 @@ class KVCacheScheduler:
 
     def first_token(self, request_id: str) -> None:
         """The request's prefill finished."""
+        self.outcomes.first_token(request_id)
         self.tracker.prefill_done(request_id)
 
     def token(self, request_id: str) -> None:
         """The request decoded one more token (its gap calibrates the decode estimates)."""
+        self.outcomes.token(request_id)
         decode_id = self.tracker.decode_of(request_id)
         predicted = None
         if decode_id is not None:
@@ -282,6 +288,7 @@ class KVCacheScheduler:
 
     def release(self, request_id: str) -> None:
         """The request ended, whatever the outcome."""
+        self.outcomes.finished(request_id)
         self.tracker.finished(request_id)
 
     # ---- decode admission ---------------------------------------------------------------------

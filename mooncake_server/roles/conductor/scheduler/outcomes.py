@@ -1,0 +1,93 @@
+"""What each placed request was estimated against what it got, as this conductor saw its tokens.
+
+One log line per request when it ends (estimated and measured TTFT and TBT) and counters of the
+requests within both SLOs or over one: an estimate under the SLO with a measurement over it is a
+misjudged admission, both over it an overload, and only the two side by side tell them apart.
+TBT is the paper's (and the replay scripts'): the mean of the request's longest tenth of gaps.
+TTFT is from placement to the first token, so it leaves out the HTTP and tokenizer time a
+client also sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+WITHIN = "within"
+TTFT_MISSED = "ttft_missed"
+TBT_MISSED = "tbt_missed"
+
+
+def longest_tenth_mean(gaps: Sequence[float]) -> float | None:
+    """Mean of the longest 10% of token gaps (at least one); None without a gap."""
+    if not gaps:
+        return None
+    k = max(1, math.ceil(0.1 * len(gaps)))
+    return sum(sorted(gaps, reverse=True)[:k]) / k
+
+
+@dataclass
+class _Timing:
+    placed_at: float
+    ttft_estimate_s: float
+    tbt_estimate_s: float
+    first_at: float | None = None
+    last_at: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+
+class RequestOutcomes:
+    """Timings of the requests in flight; each one's verdict against the SLOs when it ends."""
+
+    def __init__(self, ttft_slo_s: float | None = None, tbt_slo_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttft_slo_s = ttft_slo_s
+        self.tbt_slo_s = tbt_slo_s
+        self._clock = clock
+        self._timings: dict[str, _Timing] = {}
+        self.counts: Counter[str] = Counter()  # WITHIN / TTFT_MISSED / TBT_MISSED
+
+    def placed(self, request_id: str, ttft_estimate_s: float, tbt_estimate_s: float) -> None:
+        """The scheduler placed the request with these estimates."""
+        self._timings[request_id] = _Timing(self._clock(), ttft_estimate_s, tbt_estimate_s)
+
+    def first_token(self, request_id: str) -> None:
+        """The request's first token arrived (its prefill finished)."""
+        t = self._timings.get(request_id)
+        if t is not None and t.first_at is None:
+            t.first_at = t.last_at = self._clock()
+
+    def token(self, request_id: str) -> None:
+        """One more token arrived."""
+        t = self._timings.get(request_id)
+        if t is None or t.last_at is None:
+            return
+        now = self._clock()
+        t.gaps.append(now - t.last_at)
+        t.last_at = now
+
+    def finished(self, request_id: str) -> str | None:
+        """The request ended: log it and count its verdict (None if it never got a token)."""
+        t = self._timings.pop(request_id, None)
+        if t is None or t.first_at is None:
+            return None
+        ttft = t.first_at - t.placed_at
+        tbt = longest_tenth_mean(t.gaps)
+        if self.ttft_slo_s is not None and ttft > self.ttft_slo_s:
+            verdict = TTFT_MISSED
+        elif self.tbt_slo_s is not None and tbt is not None and tbt > self.tbt_slo_s:
+            verdict = TBT_MISSED
+        else:
+            verdict = WITHIN
+        self.counts[verdict] += 1
+        measured_tbt = f"{tbt * 1000:.0f} ms" if tbt is not None else "-"
+        log.info("finished %s (%d tokens): TTFT %.2f s (estimated %.2f), TBT %s (estimated "
+                 "%.0f ms): %s", request_id, len(t.gaps) + 1, ttft, t.ttft_estimate_s,
+                 measured_tbt, t.tbt_estimate_s * 1000, verdict)
+        return verdict
