@@ -187,9 +187,9 @@ class GapTailCalibration:
 
     Taken apart, the tail of the ratios plus the tail of the waits counts the slowest step and
     the longest wait as if they came together, and they rarely do: a wait is a prefill pass
-    beside the decode, a slow step another process on the cores. Judged apart, a trace replay's
-    `--role all` was predicted 130-200 ms gaps while its requests measured 40-145 ms, and it
-    turned away requests that colocated, at the same load, served within the SLO.
+    beside the decode, a slow step another process on the cores. In replays of the paper's
+    trace on `--role all`, tails taken apart estimated long answers' TBT at 1.08x what they
+    measured (median over a run), the tail of the sum at 1.00-1.01x.
     """
 
     def __init__(self, *, quantile: float = 0.9, window: int = 256, lo: float = 0.5,
