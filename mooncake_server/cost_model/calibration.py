@@ -107,8 +107,8 @@ class TailCalibration(_RecentCalibration):
     def __init__(self, *, quantile: float = 0.9, window: int = 256, lo: float = 0.5,
                  hi: float = 30.0, horizon_s: float = DEFAULT_HORIZON_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not 0.0 < quantile <= 1.0:
-            raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+        if not 0.0 <= quantile <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {quantile}")
         super().__init__(window, lo, hi, horizon_s, clock)
         self.quantile = quantile
 
@@ -118,7 +118,8 @@ class TailCalibration(_RecentCalibration):
 
 
 class TailMeanCalibration(TailCalibration):
-    """The mean of the recent ratios from the quantile up (1.0 when none is recent).
+    """The mean of the recent ratios from the quantile up (1.0 when none is recent; quantile
+    0: the mean of them all).
 
     A request's TBT is the mean of its longest tenth of gaps, so the mean of the recent gaps'
     longest tenth is what a request like them is judged by. Their 90th percentile, the tail's

@@ -56,11 +56,22 @@ def test_it_reports_the_passes_a_prompt_would_get_now() -> None:
     assert split.chunk_tokens == 2048 and split.cut_tokens == chunks.tokens() < 64
     assert split.ratio == pytest.approx(1.0)  # the full pass ran as modelled
     assert split.cut_ratio == pytest.approx(2.0)
-    assert split.wait_s == pytest.approx(0.06)  # the slower half's mean; the full pass left out
+    assert split.wait_s == pytest.approx(0.04)  # their mean; the full pass left out
     clock.now += 61.0  # nothing recent: the model's own times, and no wait known
     assert chunks.split(shared=False, idle_chunk=2048) == PassSplit(
         chunk_tokens=2048, cut_tokens=90, ratio=1.0, cut_ratio=1.0, wait_s=0.0, shared=False)
     assert ChunkBudget(256).split(True, 2048) is None  # no --tbt-slo: nothing to report
+
+
+def test_ttft_is_estimated_from_mean_speeds_and_a_pass_sized_by_the_slower_half() -> None:
+    """A prompt's passes add up, so the TTFT estimate takes the mean speed; a single pass must
+    fit the TBT budget, so its size takes the slower half's."""
+    chunks = ChunkBudget(256, MODEL, tbt_slo_s=0.2, clock=Clock())
+    for ratio in (1.0, 1.0, 1.0, 3.0):  # one cut pass in four 3x slow (a neighbour woke up)
+        chunks.observe(40, 0, ratio * MODEL.prefill_s(40), beside_decode=True)
+    split = chunks.split(shared=True, idle_chunk=2048)
+    assert split is not None and split.cut_ratio == pytest.approx(1.5)  # (1 + 1 + 1 + 3) / 4
+    assert chunks.tokens() == 40  # sized at 2x (the slower half): 2 x (10 + 40) ms = 100 ms
 
 
 class Board:

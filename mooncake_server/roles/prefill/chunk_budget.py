@@ -48,21 +48,26 @@ class ChunkBudget:
         self.budget_s = (tbt_slo_s or 0.0) * PASS_SHARE
 
         # NOTE: clamped wider than the conductor's (0.25..8): a machine several times slower
-        # than the built-in profile must still get chunks that fit. The mean of the slower
-        # half, not a moving average from 1.0: a few samples must already count in full.
-        def speed() -> TailMeanCalibration:
-            return TailMeanCalibration(quantile=0.5, window=64, lo=0.05, hi=50.0,
+        # than the built-in profile must still get chunks that fit. Not a moving average from
+        # 1.0: a few samples must already count in full.
+        def speed(quantile: float) -> TailMeanCalibration:
+            return TailMeanCalibration(quantile=quantile, window=64, lo=0.05, hi=50.0,
                                        horizon_s=speed_horizon_s, clock=clock)
 
-        self._calibration = speed()
+        # Each kind twice over the same passes: the mean of the slower half sizes a pass,
+        # which must fit the TBT budget; the mean of all goes into the conductor's TTFT
+        # estimate, which sums passes (a sum's expected value is the sum of the means). Summed
+        # over a prompt's passes and the jobs queued ahead, the slower halves put TTFTs at
+        # 1.36-1.41x what they measured (median; replays at time scale 4 on `--role all`),
+        # and turned away prompts that would have met the SLO.
+        self._calibration, self._full_mean = speed(0.5), speed(0.0)
         # Cut passes apart: a few dozen tokens each, they weigh the model's per-pass cost much
         # more than full passes do, and a profile from another machine gets that share wrong
         # (the built-in one on the AMD machine: full passes 2.2x its times, cut ones 1.5x).
-        self._cut = speed()
+        self._cut, self._cut_mean = speed(0.5), speed(0.0)
         # A prompt's TTFT sums the waits of all its passes, so their mean matters, not one
-        # pass's worst; the slower half's mean leaves a margin for the decode's batch growing.
-        # They follow the decode's load: the short horizon.
-        self._waits = TailMeanSeconds(quantile=0.5, horizon_s=horizon_s, clock=clock)
+        # pass's worst. They follow the decode's load: the short horizon.
+        self._waits = TailMeanSeconds(quantile=0.0, horizon_s=horizon_s, clock=clock)
 
     def observe(self, tokens: int, cached_tokens: int, compute_s: float, wait_s: float = 0.0,
                 beside_decode: bool = False) -> None:
@@ -72,13 +77,18 @@ class ChunkBudget:
             modelled = self.model.prefill_s(tokens, cached_tokens)
             if beside_decode:
                 self._cut.add(compute_s, modelled)
+                self._cut_mean.add(compute_s, modelled)
                 self._waits.add_seconds(wait_s)
             else:
                 self._calibration.add(compute_s, modelled)
+                self._full_mean.add(compute_s, modelled)
 
-    def _ratio(self, cut: bool) -> float:
-        """Measured / modelled time of full (or cut) passes; the other kind's if none is recent."""
-        first, other = (self._cut, self._calibration) if cut else (self._calibration, self._cut)
+    def _ratio(self, cut: bool, mean: bool = False) -> float:
+        """Measured / modelled time of full (or cut) passes, the slower half's or (`mean`) all
+        of them; the other kind's if none is recent."""
+        full, cuts = ((self._full_mean, self._cut_mean) if mean
+                      else (self._calibration, self._cut))
+        first, other = (cuts, full) if cut else (full, cuts)
         return (first if first.recent or not other.recent else other).value
 
     def split(self, shared: bool, idle_chunk: int) -> PassSplit | None:
@@ -87,7 +97,8 @@ class ChunkBudget:
         if self.model is None:
             return None
         return PassSplit(chunk_tokens=idle_chunk, cut_tokens=min(idle_chunk, self.tokens()),
-                         ratio=self._ratio(cut=False), cut_ratio=self._ratio(cut=True),
+                         ratio=self._ratio(cut=False, mean=True),
+                         cut_ratio=self._ratio(cut=True, mean=True),
                          wait_s=self._waits.value, shared=shared)
 
     def tokens(self) -> int:
