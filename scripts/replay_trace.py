@@ -154,12 +154,11 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def request_tbt(token_times: Sequence[float]) -> float | None:
-    """Mean of the longest 10% of inter-token gaps (at least one gap); None below 2 tokens."""
-    gaps = [b - a for a, b in itertools.pairwise(token_times)]
-    if not gaps:
-        return None
-    k = max(1, math.ceil(0.1 * len(gaps)))
-    return sum(sorted(gaps, reverse=True)[:k]) / k
+    """Mean of the longest 10% of inter-token gaps (at least one gap); None below 2 tokens:
+    the conductor's own judgement of a request (scheduler/outcomes.py)."""
+    from mooncake_server.roles.conductor.scheduler.outcomes import longest_tenth_mean
+
+    return longest_tenth_mean([b - a for a, b in itertools.pairwise(token_times)])
 
 
 @dataclass
