@@ -54,12 +54,11 @@ class Outcome:
 
 
 def request_tbt(times: Sequence[float]) -> float | None:
-    """Mean of the longest 10% of a request's inter-token gaps (at least one gap)."""
-    gaps = sorted((b - a for a, b in itertools.pairwise(times)), reverse=True)
-    if not gaps:
-        return None
-    worst = gaps[:max(1, len(gaps) // 10)]
-    return sum(worst) / len(worst)
+    """Mean of the longest 10% of a request's inter-token gaps (at least one gap), as the
+    conductor judges it (scheduler/outcomes.py)."""
+    from mooncake_server.roles.conductor.scheduler.outcomes import longest_tenth_mean
+
+    return longest_tenth_mean([b - a for a, b in itertools.pairwise(times)])
 
 
 def percentile(values: Sequence[float], q: float) -> float:
