@@ -92,6 +92,14 @@ class _RecentCalibration:
         return self._value
 
     @property
+    def mean(self) -> float:
+        """The plain mean of the same recent ratios (`empty` when none is recent): what a sum of
+        many measured things is expected to take, where `value` budgets for one of them."""
+        self._recent.expire()
+        samples = self._recent.samples
+        return sum(r for _, r, _ in samples) / len(samples) if samples else self.empty
+
+    @property
     def recent(self) -> int:
         """How many measurements are recent (0: `value` is the model's own)."""
         self._recent.expire()
@@ -107,8 +115,8 @@ class TailCalibration(_RecentCalibration):
     def __init__(self, *, quantile: float = 0.9, window: int = 256, lo: float = 0.5,
                  hi: float = 30.0, horizon_s: float = DEFAULT_HORIZON_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not 0.0 <= quantile <= 1.0:
-            raise ValueError(f"quantile must be in [0, 1], got {quantile}")
+        if not 0.0 < quantile <= 1.0:
+            raise ValueError(f"quantile must be in (0, 1], got {quantile}")
         super().__init__(window, lo, hi, horizon_s, clock)
         self.quantile = quantile
 
@@ -118,8 +126,7 @@ class TailCalibration(_RecentCalibration):
 
 
 class TailMeanCalibration(TailCalibration):
-    """The mean of the recent ratios from the quantile up (1.0 when none is recent; quantile
-    0: the mean of them all).
+    """The mean of the recent ratios from the quantile up (1.0 when none is recent).
 
     A request's TBT is the mean of its longest tenth of gaps, so the mean of the recent gaps'
     longest tenth is what a request like them is judged by. Their 90th percentile, the tail's
@@ -153,13 +160,6 @@ class TailSeconds(TailCalibration):
     def add_seconds(self, seconds: float, at: float | None = None) -> None:
         """One measured duration."""
         self.add(seconds, 1.0, at)
-
-
-class TailMeanSeconds(TailSeconds):
-    """The mean of a recent duration's values from the quantile up, in seconds (0.0 when none
-    is recent)."""
-
-    _summarise = TailMeanCalibration._summarise
 
 
 class SmoothedCalibration(_RecentCalibration):

@@ -34,8 +34,8 @@ class Hits:
 
 def scheduler(policy: str, hits: dict[str, int] | None = None, *, prefill: int = 2,
               decode: int = 2, ttft_slo: float | None = None, tbt_slo: float | None = None,
-              seed: int = 0) -> KVCacheScheduler:
-    clock = Clock()
+              seed: int = 0, clock: Clock | None = None) -> KVCacheScheduler:
+    clock = clock or Clock()
     return KVCacheScheduler(cluster(prefill, decode, clock=clock), MODEL, policy=policy,
                             block_tokens=BT, oracle=Hits(hits or {}), ttft_slo_s=ttft_slo,
                             tbt_slo_s=tbt_slo, tracker=LoadTracker(clock),
@@ -239,14 +239,15 @@ def test_tbt_is_judged_on_the_longest_tenth_of_gaps_as_the_slo_is() -> None:
 async def test_a_short_answer_is_judged_by_the_hand_offs_measured_in_seconds() -> None:
     """A two-token answer's TBT is its hand-off gap: the recent hand-offs' 95th percentile, in
     seconds, whatever the batch (they are mostly waits); twice the step when none is recent."""
-    s = scheduler("cache-global", tbt_slo=0.2, decode=1)
+    clock = Clock()
+    s = scheduler("cache-global", tbt_slo=0.2, decode=1, clock=clock)
     plan = await s.plan(request("first", 100, max_tokens=2), keys(100))
     assert plan is not None and plan.tbt_s == pytest.approx(2 * 0.025)  # batch of 1: 25 ms
     s.release("first")
     for i in range(20):  # hand-offs of 120 ms (one in ten 190 ms) at a batch of one
         s.tracker.assign(f"h{i}", "p1", 0.0, "d1", 100)
         s.first_token(f"h{i}")
-        s.tracker._clock.now += 0.19 if i % 10 == 0 else 0.12  # type: ignore[attr-defined]
+        clock.now += 0.19 if i % 10 == 0 else 0.12
         s.token(f"h{i}")
         s.release(f"h{i}")
     for i in range(6):  # a batch of six now; a step is 50 ms

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from mooncake_server.cost_model.calibration import (
     DEFAULT_HORIZON_S,
     TailMeanCalibration,
-    TailMeanSeconds,
+    TailSeconds,
 )
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.wire.instances import PassSplit
@@ -50,24 +50,24 @@ class ChunkBudget:
         # NOTE: clamped wider than the conductor's (0.25..8): a machine several times slower
         # than the built-in profile must still get chunks that fit. Not a moving average from
         # 1.0: a few samples must already count in full.
-        def speed(quantile: float) -> TailMeanCalibration:
-            return TailMeanCalibration(quantile=quantile, window=64, lo=0.05, hi=50.0,
-                                       horizon_s=speed_horizon_s, clock=clock)
-
-        # Each kind twice over the same passes: the mean of the slower half sizes a pass,
-        # which must fit the TBT budget; the mean of all goes into the conductor's TTFT
+        # Each speed is read two ways: the mean of the slower half (`value`) sizes a pass,
+        # which must fit the TBT budget; the plain `mean` goes into the conductor's TTFT
         # estimate, which sums passes (a sum's expected value is the sum of the means). Summed
         # over a prompt's passes and the jobs queued ahead, the slower halves put TTFTs at
         # 1.36-1.41x what they measured (median; replays at time scale 4 on `--role all`),
         # and turned away prompts that would have met the SLO.
-        self._calibration, self._full_mean = speed(0.5), speed(0.0)
+        def speed() -> TailMeanCalibration:
+            return TailMeanCalibration(quantile=0.5, window=64, lo=0.05, hi=50.0,
+                                       horizon_s=speed_horizon_s, clock=clock)
+
+        self._calibration = speed()
         # Cut passes apart: a few dozen tokens each, they weigh the model's per-pass cost much
         # more than full passes do, and a profile from another machine gets that share wrong
         # (the built-in one on the AMD machine: full passes 2.2x its times, cut ones 1.5x).
-        self._cut, self._cut_mean = speed(0.5), speed(0.0)
+        self._cut = speed()
         # A prompt's TTFT sums the waits of all its passes, so their mean matters, not one
         # pass's worst. They follow the decode's load: the short horizon.
-        self._waits = TailMeanSeconds(quantile=0.0, horizon_s=horizon_s, clock=clock)
+        self._waits = TailSeconds(horizon_s=horizon_s, clock=clock)
 
     def observe(self, tokens: int, cached_tokens: int, compute_s: float, wait_s: float = 0.0,
                 beside_decode: bool = False) -> None:
@@ -77,19 +77,16 @@ class ChunkBudget:
             modelled = self.model.prefill_s(tokens, cached_tokens)
             if beside_decode:
                 self._cut.add(compute_s, modelled)
-                self._cut_mean.add(compute_s, modelled)
                 self._waits.add_seconds(wait_s)
             else:
                 self._calibration.add(compute_s, modelled)
-                self._full_mean.add(compute_s, modelled)
 
     def _ratio(self, cut: bool, mean: bool = False) -> float:
         """Measured / modelled time of full (or cut) passes, the slower half's or (`mean`) all
         of them; the other kind's if none is recent."""
-        full, cuts = ((self._full_mean, self._cut_mean) if mean
-                      else (self._calibration, self._cut))
-        first, other = (cuts, full) if cut else (full, cuts)
-        return (first if first.recent or not other.recent else other).value
+        first, other = (self._cut, self._calibration) if cut else (self._calibration, self._cut)
+        chosen = first if first.recent or not other.recent else other
+        return chosen.mean if mean else chosen.value
 
     def split(self, shared: bool, idle_chunk: int) -> PassSplit | None:
         """How a prompt's passes go, for the conductor's TTFT estimate (None without
@@ -99,7 +96,7 @@ class ChunkBudget:
         return PassSplit(chunk_tokens=idle_chunk, cut_tokens=min(idle_chunk, self.tokens()),
                          ratio=self._ratio(cut=False, mean=True),
                          cut_ratio=self._ratio(cut=True, mean=True),
-                         wait_s=self._waits.value, shared=shared)
+                         wait_s=self._waits.mean, shared=shared)
 
     def tokens(self) -> int:
         """Prompt tokens the next pass may carry while a decode waits for the cores."""

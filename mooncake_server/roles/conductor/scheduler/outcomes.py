@@ -24,11 +24,17 @@ TTFT_MISSED = "ttft_missed"
 TBT_MISSED = "tbt_missed"
 
 
+def longest_tenth(gaps: int) -> int:
+    """How many of a request's `gaps` token gaps its TBT averages: a tenth, rounded up, at
+    least one."""
+    return max(1, math.ceil(0.1 * gaps))
+
+
 def longest_tenth_mean(gaps: Sequence[float]) -> float | None:
     """Mean of the longest 10% of token gaps (at least one); None without a gap."""
     if not gaps:
         return None
-    k = max(1, math.ceil(0.1 * len(gaps)))
+    k = longest_tenth(len(gaps))
     return sum(sorted(gaps, reverse=True)[:k]) / k
 
 

@@ -45,7 +45,7 @@ from mooncake_server.roles.conductor.scheduler.oracle import (
     NoPrefixOracle,
     PrefixOracle,
 )
-from mooncake_server.roles.conductor.scheduler.outcomes import RequestOutcomes
+from mooncake_server.roles.conductor.scheduler.outcomes import RequestOutcomes, longest_tenth
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 from mooncake_server.wire.jobs import Reuse
 
@@ -62,7 +62,7 @@ def judged_tbt(steady_s: float, handoff_s: float, max_tokens: int) -> float:
     of gaps met the SLO: one slow hand-off in 60 gaps moves that mean by a sixth of its excess.
     """
     worst = max(steady_s, handoff_s)
-    k = max(1, math.ceil(0.1 * (max_tokens - 1)))  # gaps judged: the longest tenth, as clients
+    k = longest_tenth(max_tokens - 1)  # gaps judged, as clients count them
     return (worst + (k - 1) * steady_s) / k
 
 
