@@ -10,9 +10,11 @@ it; a process that just had a turn lets a waiting one go first, so a prefill and
 alternate pass by pass. The prefill keeps its passes short (--decode-chunk tokens) while a
 decode has work, which bounds the decode's token gap to about two passes.
 
-The board is a file of fixed slots (pid, active, waiting) mapped by every process; the turn is an
-flock on it (the kernel drops it with a SIGKILLed holder), and a slot whose pid is gone counts as
-idle.
+The board is a file of fixed slots (pid, active, waiting, handed-in sequences started) mapped by
+every process; the turn is an flock on it (the kernel drops it with a SIGKILLed holder), and a
+slot whose pid is gone counts as idle. A decode counts there the sequences prefilled elsewhere
+that it starts, so the prefill beside it can hold its next pass for them
+(roles/prefill/handoff_hold.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SLOTS = 64
-_SLOT = struct.Struct("<qqq")  # pid, active, waiting for the turn
+_SLOT = struct.Struct("<qqqq")  # pid, active, waiting for the turn, handed-in sequences started
 _LAST = struct.Struct("<q")  # after the slots: pid of the last turn's holder
 _BOARD_BYTES = _SLOTS * _SLOT.size + _LAST.size
 _YIELD_S = 0.0005  # how long a process that just had the turn steps aside for a waiting one
@@ -64,13 +67,14 @@ class CoreBudget:
         self._checked_at = 0.0
         self._active = 0
         self._waiting = 0
+        self._handed_in = 0
         log.info("core budget %d shared through %s (slot %d)", self.budget, path, self._slot)
 
     def _claim(self) -> int:
         for i in range(_SLOTS):
-            pid, _, _ = _SLOT.unpack_from(self._map, i * _SLOT.size)
+            pid = _SLOT.unpack_from(self._map, i * _SLOT.size)[0]
             if pid == 0 or pid == self.pid or not _pid_alive(pid):
-                _SLOT.pack_into(self._map, i * _SLOT.size, self.pid, 0, 0)
+                _SLOT.pack_into(self._map, i * _SLOT.size, self.pid, 0, 0, 0)
                 return i
         raise RuntimeError(f"core budget board full ({_SLOTS} engine processes)")
 
@@ -81,26 +85,30 @@ class CoreBudget:
 
     def _write_slot(self) -> None:
         _SLOT.pack_into(self._map, self._slot * _SLOT.size, self.pid, self._active,
-                        self._waiting)
+                        self._waiting, self._handed_in)
 
     def _others(self, field: int) -> int:
         """Live engine processes other than this one whose slot has `field` (1 active, 2 waiting)."""
+        return sum(1 for slot in self._other_slots() if slot[field])
+
+    def _other_slots(self) -> Iterator[tuple[int, int, int, int]]:
+        """The slots of live engine processes other than this one (liveness re-read each second)."""
         now = time.monotonic()
         if now - self._checked_at > _LIVENESS_EVERY_S:
             self._alive.clear()
             self._checked_at = now
-        n = 0
         for i in range(_SLOTS):
             if i == self._slot:
                 continue
             slot = _SLOT.unpack_from(self._map, i * _SLOT.size)
             pid = slot[0]
-            if pid and slot[field]:
-                alive = self._alive.get(pid)
-                if alive is None:
-                    alive = self._alive[pid] = _pid_alive(pid)
-                n += alive
-        return n
+            if not pid:
+                continue
+            alive = self._alive.get(pid)
+            if alive is None:
+                alive = self._alive[pid] = _pid_alive(pid)
+            if alive:
+                yield slot
 
     def others_active(self) -> int:
         """Engine processes other than this one that have work now."""
@@ -109,6 +117,20 @@ class CoreBudget:
     def others_present(self) -> int:
         """Engine processes other than this one on these cores, busy or not."""
         return self._others(0)
+
+    def note_handed_in(self, sequences: int) -> None:
+        """Say that `sequences` handed to this process (prefilled elsewhere) join a step now."""
+        if sequences:
+            self._handed_in += sequences
+            self._write_slot()
+
+    def others_handed_in(self) -> int:
+        """Handed-in sequences that live engine processes other than this one have started."""
+        return sum(slot[3] for slot in self._other_slots())
+
+    def others_waiting(self) -> int:
+        """Engine processes other than this one waiting for the turn now."""
+        return self._others(2)
 
     def enter_step(self) -> int:
         """Wait for this process's turn on the cores, then size its team; returns the threads.
@@ -121,7 +143,7 @@ class CoreBudget:
         while True:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             (last,) = _LAST.unpack_from(self._map, _SLOTS * _SLOT.size)
-            if last != self.pid or not self._others(2):
+            if last != self.pid or not self.others_waiting():
                 break
             # This process had the last turn and another one waits: it goes first.
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -142,7 +164,7 @@ class CoreBudget:
     def close(self) -> None:
         """Free the slot."""
         try:
-            _SLOT.pack_into(self._map, self._slot * _SLOT.size, 0, 0, 0)
+            _SLOT.pack_into(self._map, self._slot * _SLOT.size, 0, 0, 0, 0)
             self._map.close()
         finally:
             os.close(self._fd)
@@ -162,6 +184,13 @@ class FixedThreads:
         return 0
 
     def others_present(self) -> int:
+        """No board: no other engine is known."""
+        return 0
+
+    def note_handed_in(self, sequences: int) -> None:
+        """Nobody to tell."""
+
+    def others_handed_in(self) -> int:
         """No board: no other engine is known."""
         return 0
 

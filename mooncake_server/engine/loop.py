@@ -123,20 +123,27 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         cores = self.runner.cores
         while True:
+            began = time.perf_counter()  # the token gap: the wait for the cores and the pass
+            if self.runner.takes_turns and (self.waiting or self.running):
+                cores.set_active(True)
+                await self._take_turn(loop)
             items = self._schedule()
             if not items:
+                self.runner.give_turn()
                 cores.set_active(False)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             cores.set_active(True)
+            # A prefill beside this loop holds its next pass until its hand-offs start here.
+            cores.note_handed_in(sum(1 for it in items if _first_decode_step(it)))
             ids = {it.seq.request_id for it in items}
             self._inflight |= ids
             try:
-                began = time.perf_counter()
-                with self.metrics.step_seconds.time():
-                    logits = await loop.run_in_executor(self.executor, self.runner.step, items)
-                self._observe(items, time.perf_counter() - began)
+                logits = await loop.run_in_executor(self.executor, self.runner.step, items)
+                seconds = time.perf_counter() - began
+                self.metrics.step_seconds.observe(seconds)
+                self._observe(items, seconds)
             except Exception as exc:  # a failed forward fails its batch, not the server
                 log.exception("forward pass failed")
                 self._inflight -= ids
@@ -145,6 +152,20 @@ class EngineLoop:
                 continue
             self._inflight -= ids
             self._postprocess(items, logits)
+
+    async def _take_turn(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait for the turn on shared cores before picking the batch.
+
+        A sequence submitted while this loop waits (a prefill pass beside it holds the cores)
+        joins this step, not the next: picked before the wait, a prefill's hand-off missed it
+        and waited another prefill pass and step for its second token.
+        """
+        try:
+            await loop.run_in_executor(self.executor, self.runner.take_turn)
+        except asyncio.CancelledError:
+            # The wait goes on in the forward thread: hand the turn on once it is taken.
+            self.executor.submit(self.runner.give_turn)
+            raise
 
     def _observe(self, items: list[StepItem], seconds: float) -> None:
         if self.step_observer is not None and all(it.num_new == 1 for it in items):
@@ -298,3 +319,9 @@ class EngineLoop:
             fork.finish_reason = fork.finish_reason or seq.finish_reason
             self._finish(fork, error=seq.error or "the request's first choice ended early")
         self.metrics.free_blocks.set(self.kv.num_free)
+
+
+def _first_decode_step(item: StepItem) -> bool:
+    """The step computes a sequence's first token after the one its prefill sampled."""
+    seq = item.seq
+    return item.num_new == 1 and seq.num_computed == seq.prompt_len == len(seq.token_ids) - 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -35,6 +36,7 @@ from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.linears import prepare_linears
 from mooncake_server.engine.llama_stack import LlamaStack, supports
 from mooncake_server.engine.sequence import Sequence
+from mooncake_server.wire.jobs import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,43 @@ class ModelRunner:
         # is one plus the other, and only the second scales with the batch.
         self.last_wait_s = 0.0
         self.last_compute_s = 0.0
+        self._turn: tuple[float, float] | None = None  # (asked, got) of a turn taken ahead
+
+    @property
+    def takes_turns(self) -> bool:
+        """Whether passes wait for a turn on cores shared with other engine processes."""
+        return isinstance(self.cores, CoreBudget)
+
+    def take_turn(self) -> None:
+        """Wait for the turn on the cores now (blocking, on the forward thread); the next
+        `step` runs in it, or `give_turn` hands it on unused."""
+        if self._turn is not None:
+            return
+        asked = time.perf_counter()
+        self.cores.enter_step()
+        self._turn = (asked, time.perf_counter())
+
+    def give_turn(self) -> None:
+        """Hand on a turn `take_turn` took that no pass used (a no-op without one)."""
+        if self._turn is not None:
+            self._turn = None
+            self.cores.exit_step()
+
+    def quiet_step_s(self, passes: int = 5) -> float:
+        """The fastest of `passes` one-token passes of a scratch sequence (a decode step at
+        batch 1 and a context of a few tokens), blocking; its blocks are freed after."""
+        seq = Sequence("quiet-step", [0] * passes, passes, SamplingParams(max_tokens=1), passes)
+        seq.block_ids = self.kv.allocate(self.layout.blocks_for(passes))
+        best = math.inf
+        try:
+            for _ in range(passes):
+                self.step([StepItem(seq, 1)])
+                seq.num_computed += 1
+                best = min(best, self.last_compute_s)
+        finally:
+            self.kv.free(seq.block_ids)
+            seq.block_ids = []
+        return best
 
     @torch.inference_mode()
     def step(self, items: Seq[StepItem],
@@ -130,10 +169,11 @@ class ModelRunner:
 
         Every item's `seq.block_ids` must already cover `num_computed + num_new` tokens.
         `on_layer(l)` is called as soon as layer l's new K/V are written to the pool.
+        The pass runs in the turn `take_turn` took, or waits for one.
         """
-        asked = time.perf_counter()
-        self.cores.enter_step()
-        began = time.perf_counter()
+        self.take_turn()
+        assert self._turn is not None
+        (asked, began), self._turn = self._turn, None
         try:
             return self._forward(items, on_layer)
         finally:

@@ -3,15 +3,24 @@ cores each, a process that just had a turn letting a waiting one go first."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
+from prometheus_client import CollectorRegistry
 
 from mooncake_server.engine.core_budget import CoreBudget, core_budget_for
+from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
+from mooncake_server.engine.loop import EngineLoop, EngineMetrics
+from mooncake_server.engine.model_runner import ModelRunner
+from mooncake_server.engine.sequence import Sequence
+from mooncake_server.wire.jobs import SamplingParams
 
 
 class _Neighbour:
@@ -24,7 +33,9 @@ class _Neighbour:
                 "    cmd = line.strip()\n"
                 "    if cmd == 'enter': b.enter_step(); print('in', flush=True)\n"
                 "    elif cmd == 'exit': b.exit_step(); print('out', flush=True)\n"
-                "    elif cmd == 'active': b.set_active(True); print('ok', flush=True)\n")
+                "    elif cmd == 'active': b.set_active(True); print('ok', flush=True)\n"
+                "    elif cmd == 'waiting': print(b.others_waiting(), flush=True)\n"
+                "    elif cmd == 'handed': b.note_handed_in(2); print('ok', flush=True)\n")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         assert self.read() == "ok"
@@ -37,6 +48,11 @@ class _Neighbour:
     def read(self) -> str:
         assert self.proc.stdout is not None
         return self.proc.stdout.readline().strip()
+
+    async def ask(self, cmd: str) -> str:
+        """Send `cmd` and read its answer off the event loop (an engine loop runs on it)."""
+        self.send(cmd)
+        return await asyncio.to_thread(self.read)
 
     def kill(self) -> None:
         self.proc.kill()  # SIGKILL: whatever it held, the kernel drops
@@ -79,7 +95,7 @@ def test_a_process_that_just_had_the_turn_lets_a_waiting_one_go_first(pair) -> N
     me, other = pair
     me.enter_step()
     other.send("enter")  # it waits for my pass
-    while not me._others(2):  # its slot says it waits (set before it blocks)
+    while not me.others_waiting():  # its slot says it waits (set before it blocks)
         pass
     me.exit_step()
     got = _enter_in_thread(me)  # straight back for another pass
@@ -105,8 +121,52 @@ def test_a_killed_neighbour_frees_its_turn_and_its_slot(pair) -> None:
     assert me.others_active() == 0
 
 
+def test_a_decode_tells_the_board_when_handed_sequences_start(pair) -> None:
+    me, other = pair
+    assert me.others_handed_in() == 0
+    other.send("handed")  # its step takes two sequences prefilled elsewhere
+    assert other.read() == "ok"
+    assert me.others_handed_in() == 2
+    me.note_handed_in(3)  # a process's own count is not another's
+    assert me.others_handed_in() == 2
+    other.kill()
+    me._checked_at = 0.0  # liveness is re-read at most once a second; the test skips the wait
+    assert me.others_handed_in() == 0
+
+
 def test_pinned_threads_ignore_the_board(tmp_path) -> None:
     fixed = core_budget_for(str(tmp_path / "cores"), 2, torch_threads=1)
     assert fixed.enter_step() == 1 and fixed.others_active() == 0
     fixed.exit_step()
     assert not os.path.exists(tmp_path / "cores")
+
+
+async def test_a_sequence_arriving_while_a_decode_waits_for_the_cores_joins_its_next_step(
+        pair, tiny_model_pair) -> None:
+    """A prefill's hand-off lands while the decode beside it waits for the prefill's next pass:
+    its second token comes from the step after that pass, not one pass and one step later."""
+    me, other = pair
+    _, paged = tiny_model_pair
+    kv = PagedKVCache(KVLayout.from_model_config(paged.config, 4, torch.float32), num_blocks=64)
+    loop = EngineLoop(ModelRunner(paged, kv, cores=me), ThreadPoolExecutor(1),
+                      EngineMetrics(CollectorRegistry()), max_batch_size=8,
+                      prefill_chunk_tokens=16)
+    sampling = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    decoding = Sequence("decoding", [5, 6, 7], 3, sampling, 512)
+    loop.start()
+    try:
+        loop.submit(decoding)
+        await asyncio.wait_for(decoding.events.get(), 30)
+        assert await other.ask("enter") == "in"  # the prefill's pass holds the cores
+        while await other.ask("waiting") != "1":  # and the decode waits for them
+            pass
+        while not decoding.events.empty():
+            decoding.events.get_nowait()
+        handed = Sequence("handed", [8, 9, 10, 11], 4, sampling, 512)
+        loop.submit(handed)
+        assert await other.ask("exit") == "out"
+        after = await asyncio.wait_for(decoding.events.get(), 30)
+        first = await asyncio.wait_for(handed.events.get(), 30)
+        assert (after.batch_size, first.batch_size) == (2, 2)
+    finally:
+        await loop.stop()

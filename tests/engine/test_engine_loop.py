@@ -111,3 +111,13 @@ async def test_kv_exhaustion_fails_the_request_not_the_engine(tiny_model_pair) -
         assert await collect(backend, "after", [3, 4, 5], 4)  # the engine still serves
     finally:
         await loop.stop()
+
+
+def test_the_quiet_step_is_timed_on_a_scratch_sequence_that_gives_its_blocks_back(
+        tiny_model_pair) -> None:
+    _, paged = tiny_model_pair
+    layout = KVLayout.from_model_config(paged.config, 4, torch.float32)
+    runner = ModelRunner(paged, PagedKVCache(layout, num_blocks=8))
+    seconds = runner.quiet_step_s(passes=5)
+    assert 0.0 < seconds < runner.last_compute_s * 100
+    assert runner.kv.num_free == 8

@@ -90,6 +90,16 @@ def test_slow_steps_stop_counting_once_the_instance_ran_none_for_the_horizon() -
     assert a.calibration == 1.0
 
 
+def test_an_idle_instance_predicts_from_its_quiet_step_not_the_bare_model() -> None:
+    """Its first requests are judged on the step it timed at start-up: on the bare model (a
+    step of three is 35 ms) the third would be refused under a 30 ms SLO."""
+    a = admission(blocks=1000, tbt_slo=0.03)
+    a.seed_quiet_step(1, 4, 0.0125)  # half the model's 25 ms
+    for rid in "abc":
+        a.reserve(rid, prompt_tokens=4, max_tokens=4)
+    assert a.predicted_step_s(3, 12) == pytest.approx(0.0175)
+
+
 def test_a_wait_for_the_cores_is_added_to_a_step_not_scaled_with_the_batch() -> None:
     """A prefill pass beside the decode lengthens every gap by its own time, whatever the batch:
     read as a ratio, a pass beside a one-sequence step made a batch of three look unservable."""

@@ -121,3 +121,18 @@ def test_a_gap_tail_forgets_by_time() -> None:
     clock.now += 10.0
     assert cal.recent == 0
     assert cal.predict(0.05) == pytest.approx(0.05)  # back on the model
+
+
+def test_a_gap_tail_falls_back_on_the_quiet_step_timed_at_start_up() -> None:
+    """The built-in model is another machine's: an idle instance predicts from its own step."""
+    clock = Clock()
+    cal = GapTailCalibration(horizon_s=10.0, clock=clock)
+    cal.seed_quiet(0.015, 0.045)  # a third of the model here
+    assert cal.split(0.09) == pytest.approx((1 / 3, 0.0))
+    for _ in range(50):
+        cal.add(0.09, 0.045, wait_s=0.1)  # load
+    assert cal.predict(0.045) == pytest.approx(0.19)
+    clock.now += 10.0
+    assert cal.predict(0.045) == pytest.approx(0.015)  # back on the quiet step, not the model
+    cal.seed_quiet(0.001, 0.045)
+    assert cal.split(0.045)[0] == 0.1  # clamped as every ratio is

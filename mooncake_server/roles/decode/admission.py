@@ -13,8 +13,8 @@ refused (HTTP 503, which the conductor turns into another decode instance or a 4
     machine, in seconds: it does not grow with the batch). The tail is taken of each gap's
     step and wait together (calibration.GapTailCalibration).
 An idle instance takes any request, so one too large for the SLO alone is still served; and an
-instance that ran no steps for `horizon_s` predicts with the bare model again, so an overload's
-slow steps do not outlive it.
+instance that ran no steps for `horizon_s` predicts with the model scaled to the quiet step it
+timed at start-up again, so an overload's slow steps do not outlive it.
 """
 
 from __future__ import annotations
@@ -109,6 +109,11 @@ class DecodeAdmission:
         if self.model is None:
             return None
         return self._gaps.predict(self.model.decode_step_s(batch, context))
+
+    def seed_quiet_step(self, batch: int, context: int, compute_s: float) -> None:
+        """A step timed alone at start-up: gaps are predicted from it while none is recent."""
+        if self.model is not None:
+            self._gaps.seed_quiet(compute_s, self.model.decode_step_s(batch, context))
 
     def observe_step(self, batch: int, context: int, compute_s: float,
                      wait_s: float = 0.0) -> None:

@@ -54,6 +54,9 @@ from mooncake_server.wire.routes import DECODE, DECODE_RELEASE, DECODE_RESERVE, 
 
 log = logging.getLogger(__name__)
 
+# One-token passes timed at start-up; the fastest is the quiet step admission falls back on.
+_QUIET_PASSES = 5
+
 
 class KVLoadError(Exception):
     """The prompt's KV could not be brought into the local cache."""
@@ -223,6 +226,12 @@ def build_app(config: ServerConfig) -> FastAPI:
         service = DecodeService(loop, parts.link, parts.info.max_model_len, failures, verified,
                                 recomputed)
         service.admission = _admission(config, runner.kv.num_blocks, parts.info.max_model_len)
+        if service.admission.model is not None:
+            quiet = await asyncio.get_running_loop().run_in_executor(
+                parts.executor, runner.quiet_step_s, _QUIET_PASSES)
+            service.admission.seed_quiet_step(1, _QUIET_PASSES, quiet)
+            log.info("quiet decode step %.1f ms: %.2fx the cost model's", quiet * 1000,
+                     quiet / service.admission.model.decode_step_s(1, _QUIET_PASSES))
         service.writeback = writeback
         loop.step_observer = service.admission.observe_step
         state.service = service

@@ -46,6 +46,7 @@ from mooncake_server.engine.sampler import sample_token
 from mooncake_server.engine.sequence import Sequence
 from mooncake_server.roles.prefill.cache_report import CacheReporter
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
+from mooncake_server.roles.prefill.handoff_hold import HandoffHold
 from mooncake_server.roles.prefill.kv_stream import LayerStream
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 from mooncake_server.store_client.client import StoreError
@@ -91,6 +92,10 @@ class PrefillMetrics:
                                  registry=registry)
         self.batch_jobs = Histogram("mooncake_prefill_batch_jobs", "Jobs per forward batch",
                                     registry=registry, buckets=(1, 2, 4, 8, 16, 32))
+        self.handoff_hold = Counter(
+            "mooncake_prefill_handoff_hold_seconds",
+            "Seconds passes waited for a decode on the same cores to start jobs handed to it",
+            registry=registry)
         self.store_errors = Counter("mooncake_prefill_store_errors",
                                     "KV loads / saves the store could not serve (recomputed)",
                                     ["op"], registry=registry)
@@ -138,6 +143,7 @@ class PrefillWorker:
         self._serving: asyncio.Task[None] | None = None
         self.queued = 0
         self._answered_at = float("-inf")  # monotonic time jobs were last handed on
+        self._handoff = HandoffHold(runner.cores)
 
     async def run(self, job: PrefillJob,
                   on_first: Callable[[PrefillFirst], None] | None = None) -> PrefillResult:
@@ -240,6 +246,7 @@ class PrefillWorker:
             for stream in streams:
                 stream.on_layer(layer)
 
+        self.metrics.handoff_hold.inc(await self._handoff.wait())
         beside_decode = self._beside_decode()
         logits = await asyncio.get_running_loop().run_in_executor(
             self.executor, self.runner.step, [it for _, it in items],
@@ -280,6 +287,7 @@ class PrefillWorker:
         """Finish the completed jobs, report the cache's changes, then answer their callers."""
         if not done:
             return
+        self._handoff.answering()
         bt = self.kv.layout.block_tokens
         told = []
         for task, firsts in done:
@@ -300,16 +308,20 @@ class PrefillWorker:
             # Before the results return: the conductor plans the next request with these
             # jobs' blocks already in its view of this instance.
             await self.reporter.flush()
+        handed = 0  # sequences that go on to a decode
         for (task, _), outcome in zip(done, outcomes):
             if task.done.done():
                 continue
             if isinstance(outcome, PrefillResult):
                 task.done.set_result(outcome)
+                if task.job.sampling.max_tokens > 1:
+                    handed += task.job.sampling.n
             elif isinstance(outcome, Exception):
                 task.done.set_exception(outcome)
             else:
                 raise outcome  # cancelled: the worker is shutting down
         self._answered_at = time.monotonic()
+        self._handoff.answered(handed)
 
     async def _fail_all(self, tasks: list[_Task], exc: BaseException) -> None:
         """Abort the store reservations of unanswered jobs, then fail them with `exc`."""
