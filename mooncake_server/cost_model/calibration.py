@@ -230,8 +230,8 @@ class GapTailCalibration:
 
     def split(self, modelled_s: float) -> tuple[float, float]:
         """(ratio, wait): the means over the recent gaps that are the longest tenth for a step
-        modelled at `modelled_s`; (quiet ratio, 0.0) when none is recent. `ratio x step + wait` is then
-        their tail mean at that step, and close to it for a batch one larger or smaller."""
+        modelled at `modelled_s`; (quiet ratio, 0.0) when none is recent. `ratio x step + wait`
+        is then their tail mean at that step, and close to it for a batch one larger or smaller."""
         self._recent.expire()
         samples = self._recent.samples
         if not samples:
