@@ -132,6 +132,20 @@ async def test_registrar_reregisters_after_conductor_forgets() -> None:
         assert reg.get("d1") is None  # graceful stop deregisters
 
 
+async def test_an_instance_is_registered_with_its_load() -> None:
+    """The conductor places the first requests by the load report: it must not wait for the
+    first heartbeat interval."""
+    reg = InstanceRegistry(heartbeat_timeout_s=60)
+    async with client_for(make_app(reg)) as http:
+        registrar = Registrar("http://conductor", info("d1", "decode"), SECRET, 30.0,
+                              load=lambda: Heartbeat(instance_id="d1", step_ratio=0.3),
+                              http=http)
+        await registrar.start()
+        beat = reg.load("d1")
+        assert beat is not None and beat.step_ratio == 0.3
+        await registrar.stop()
+
+
 class FlakyTransport(httpx.AsyncBaseTransport):
     """Refuses the first `failures` connections, then forwards to an ASGI app."""
 

@@ -74,6 +74,13 @@ class Registrar:
             self._http = httpx.AsyncClient(
                 timeout=httpx.Timeout(max(2.0, 2 * self.interval_s), connect=2.0))
         await self._register_until_ok()
+        try:
+            # The load goes along at once: the conductor judges this instance by it from its
+            # first request (a decode's calibration; without it, the bare cost model refused
+            # an idle cluster's first requests).
+            await self._send(HEARTBEAT, self._current_load())
+        except (PeerUnreachable, PeerRefused) as exc:
+            log.debug("first heartbeat of %s: %s", self.info.instance_id, exc)
         self._task = asyncio.create_task(
             self._heartbeat_forever(), name=f"heartbeat-{self.info.instance_id}")
 

@@ -295,3 +295,18 @@ async def test_a_prefill_beside_a_busy_decode_is_judged_by_its_own_passes() -> N
         s.release(rid)
     plan = await s.plan(request("long", 800), keys(800))
     assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(0.81)
+
+
+async def test_a_cut_pass_waits_for_the_decode_step_as_that_decode_measures_it() -> None:
+    """Each cut pass waits at least for the largest decode batch's step: its modelled time,
+    scaled by what the decode instance reports of its own steps."""
+    s = scheduler("cache-global", ttft_slo=10.0, prefill=1, decode=1)
+    s.registry.heartbeat(Heartbeat(instance_id="p1", passes=PassSplit(
+        chunk_tokens=2048, cut_tokens=100, ratio=1.0, cut_ratio=1.0, wait_s=0.05, shared=True)))
+    s.registry.heartbeat(Heartbeat(instance_id="d1", running=10))  # a step of 20 + 50 ms
+    plan = await s.plan(request("modelled", 800), keys(800))
+    assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(8 * 0.18)
+    s.release("modelled")
+    s.registry.heartbeat(Heartbeat(instance_id="d1", running=10, step_ratio=0.5, wait_s=0.0))
+    plan = await s.plan(request("measured", 800), keys(800))  # 35 ms: the passes' own 50 ms
+    assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(8 * 0.16)
