@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,7 @@ class CoreBudget:
         self._active = 0
         self._waiting = 0
         self._handed_in = 0
+        self._slot_lock = threading.Lock()
         log.info("core budget %d shared through %s (slot %d)", self.budget, path, self._slot)
 
     def _claim(self) -> int:
@@ -84,8 +86,11 @@ class CoreBudget:
         self._write_slot()
 
     def _write_slot(self) -> None:
-        _SLOT.pack_into(self._map, self._slot * _SLOT.size, self.pid, self._active,
-                        self._waiting, self._handed_in)
+        # NOTE: the event loop and the forward thread both write the slot; each write reads the
+        # fields under the lock, so the last one written carries every thread's last change.
+        with self._slot_lock:
+            _SLOT.pack_into(self._map, self._slot * _SLOT.size, self.pid, self._active,
+                            self._waiting, self._handed_in)
 
     def _others(self, field: int) -> int:
         """Live engine processes other than this one whose slot has `field` (1 active, 2 waiting)."""
