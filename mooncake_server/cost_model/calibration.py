@@ -113,8 +113,8 @@ class _RecentCalibration:
 class TailCalibration(_RecentCalibration):
     """A high quantile of recent measured / modelled ratios (1.0 when none is recent)."""
 
-    # NOTE: lo 0.1: the built-in model is one machine's fp32 steps; int8 / bf16 steps here ran at
-    # a third of it, which a floor of 0.5 read as half (a short answer's hand-off budget with it).
+    # NOTE: lo 0.1, as GapTailCalibration's: the built-in model is one machine's fp32 steps, and
+    # int8 / bf16 steps here ran at a third of it.
     def __init__(self, *, quantile: float = 0.9, window: int = 256, lo: float = 0.1,
                  hi: float = 30.0, horizon_s: float = DEFAULT_HORIZON_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
