@@ -28,6 +28,10 @@ from collections.abc import Callable
 # (one sample per request) still sees tens of samples. Short enough that a client honouring
 # Retry-After (1 s) gets through about ten seconds after an overload ends, not never.
 DEFAULT_HORIZON_S = 10.0
+# NOTE: the lowest measured / modelled step ratio kept. The built-in model is one machine's fp32
+# steps; int8 / bf16 steps here ran at a third of it, which a floor of 0.5 read as half (and a
+# short answer's hand-off budget with it).
+RATIO_FLOOR = 0.1
 
 
 class _Recent:
@@ -53,9 +57,13 @@ class _Recent:
         nothing was modelled). Stamps must not go back in time."""
         if modelled_s <= 0:
             return
-        ratio = min(self.hi, max(self.lo, measured_s / modelled_s))
+        ratio = self.clamp(measured_s / modelled_s)
         self.samples.append((self._clock() if at is None else at, ratio, extra))
         self.changed = True
+
+    def clamp(self, ratio: float) -> float:
+        """`ratio` within the bounds every kept ratio is held to."""
+        return min(self.hi, max(self.lo, ratio))
 
     def expire(self) -> None:
         """Drop the samples older than the horizon."""
@@ -113,9 +121,7 @@ class _RecentCalibration:
 class TailCalibration(_RecentCalibration):
     """A high quantile of recent measured / modelled ratios (1.0 when none is recent)."""
 
-    # NOTE: lo 0.1, as GapTailCalibration's: the built-in model is one machine's fp32 steps, and
-    # int8 / bf16 steps here ran at a third of it.
-    def __init__(self, *, quantile: float = 0.9, window: int = 256, lo: float = 0.1,
+    def __init__(self, *, quantile: float = 0.9, window: int = 256, lo: float = RATIO_FLOOR,
                  hi: float = 30.0, horizon_s: float = DEFAULT_HORIZON_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not 0.0 < quantile <= 1.0:
@@ -196,9 +202,7 @@ class GapTailCalibration:
     measured (median over a run), the tail of the sum at 1.00-1.01x.
     """
 
-    # NOTE: lo 0.1: the built-in model is one machine's fp32 steps; int8 / bf16 steps here ran at
-    # a third of it, which a floor of 0.5 read as half (a short answer's hand-off budget with it).
-    def __init__(self, *, quantile: float = 0.9, window: int = 256, lo: float = 0.1,
+    def __init__(self, *, quantile: float = 0.9, window: int = 256, lo: float = RATIO_FLOOR,
                  hi: float = 30.0, horizon_s: float = DEFAULT_HORIZON_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not 0.0 < quantile <= 1.0:
@@ -215,7 +219,7 @@ class GapTailCalibration:
         refused ("estimated TBT 210 ms") where they decoded in 30-50 ms gaps.
         """
         if modelled_s > 0:
-            self.quiet_ratio = min(self._recent.hi, max(self._recent.lo, measured_s / modelled_s))
+            self.quiet_ratio = self._recent.clamp(measured_s / modelled_s)
 
     def add(self, measured_s: float, modelled_s: float, wait_s: float = 0.0,
             at: float | None = None) -> None:

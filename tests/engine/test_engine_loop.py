@@ -119,5 +119,5 @@ def test_the_quiet_step_is_timed_on_a_scratch_sequence_that_gives_its_blocks_bac
     layout = KVLayout.from_model_config(paged.config, 4, torch.float32)
     runner = ModelRunner(paged, PagedKVCache(layout, num_blocks=8))
     seconds = runner.quiet_step_s(passes=5)
-    assert 0.0 < seconds < runner.last_compute_s * 100
+    assert 0.0 < seconds <= runner.last_compute_s  # the fastest pass, the last one among them
     assert runner.kv.num_free == 8

@@ -184,22 +184,25 @@ class KVCacheScheduler:
         return min(fitting, key=lambda c: (c.tbt_s, c.info.instance_id))
 
     def _busiest_decode_step(self, decodes: list[InstanceInfo]) -> float:
-        """The longest decode step now (0.0 when every decode idles): the modelled step of
-        each batch, scaled by its instance's own measured / modelled steps when it reports them.
-
-        Unscaled, the built-in model (one machine's fp32 steps) charged every cut prefill pass
-        a wait three times the steps it waited for here, and TTFT estimates under load ran at
-        1.2-1.3x what the requests measured.
+        """The longest decode step now, as each decode instance runs its own (0.0 when every
+        decode idles). The bare built-in model (one machine's fp32 steps) charged every cut
+        prefill pass a wait for a step three times the one it waited for here.
         """
         steps = [0.0]
         for info in decodes:
             beat = self.registry.load(info.instance_id)
             load = self.tracker.decode_load(info.instance_id, beat)
-            step = self.model.decode_step_s(load.batch, load.context_tokens)
-            if beat is not None and beat.step_ratio is not None:
-                step *= beat.step_ratio
-            steps.append(step)
+            steps.append(self._own_step_s(info.instance_id, beat,
+                                          self.model.decode_step_s(load.batch,
+                                                                   load.context_tokens)))
         return max(steps)
+
+    def _own_step_s(self, instance_id: str, beat: Heartbeat | None, modelled_s: float) -> float:
+        """A decode instance's step modelled at `modelled_s`, scaled by its own measured /
+        modelled steps (its heartbeat), else by the gaps seen here."""
+        if beat is not None and beat.step_ratio is not None:
+            return modelled_s * beat.step_ratio
+        return modelled_s * self.tracker.decode_calibration(instance_id)
 
     def _passes(self, instance_id: str, beat: Heartbeat | None,
                 busy_step: float) -> Passes | None:
@@ -239,13 +242,11 @@ class KVCacheScheduler:
         n = len(request.prompt_token_ids)
         step = estimate_tbt(self.model, load, n)
         iid = info.instance_id
-        if beat is not None and beat.step_ratio is not None:
-            # The instance's own split: its steps scale with the batch, its wait for the cores
-            # (a prefill pass beside it) does not. Gaps seen here mix the two into one ratio.
-            own = step * beat.step_ratio
-            steady = own + (beat.wait_s or 0.0)
-        else:
-            own = steady = step * self.tracker.decode_calibration(iid)
+        own = self._own_step_s(iid, beat, step)
+        # The instance reports its wait for the cores (a prefill pass beside it) apart from its
+        # step: the wait does not scale with the batch. Gaps seen here mix the two in one ratio.
+        wait = (beat.wait_s or 0.0) if beat is not None else 0.0
+        steady = own + wait
         handoff = max(HANDOFF_STEPS * own, self.tracker.handoff_s(iid))
         tbt = judged_tbt(steady, handoff, request.sampling.max_tokens)
         need = -(-(n + request.sampling.max_tokens) // self.block_tokens)
