@@ -37,19 +37,34 @@ async def test_the_next_pass_waits_until_the_decode_started_the_handed_sequences
     assert await hold.wait() == 0.0  # held once per hand-off
 
 
+class SteppingClock:
+    """Each reading is 10 ms after the last: a hold's polls see time pass, without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 0.01
+        return self.now
+
+
 async def test_a_decode_that_never_starts_the_job_holds_the_pass_at_most_the_hold() -> None:
-    board = Board()
-    hold = HandoffHold(board, hold_s=0.05)
+    board, clock = Board(), SteppingClock()
+    hold = HandoffHold(board, hold_s=0.05, clock=clock)
     hold.answering()
+    answered_at = clock.now
     hold.answered(1)
-    assert await asyncio.wait_for(hold.wait(), 5) >= 0.05
+    assert await asyncio.wait_for(hold.wait(), 5) > 0.0
+    assert clock.now - answered_at >= 0.05  # held until the deadline, then let go
     hold.answering()  # nothing started since: perhaps no decode shares these cores
     hold.answered(1)
     assert await hold.wait() == 0.0
     board.started = 1  # a decode on the board started a sequence: hand-offs are held again
     hold.answering()
+    answered_at = clock.now
     hold.answered(1)
-    assert await asyncio.wait_for(hold.wait(), 5) >= 0.05
+    assert await asyncio.wait_for(hold.wait(), 5) > 0.0
+    assert clock.now - answered_at >= 0.05
 
 
 async def test_nothing_is_held_alone_on_the_cores_or_when_nothing_goes_to_a_decode() -> None:
