@@ -1,4 +1,4 @@
-"""Build the native transfer engine and the int8 linear kernel; metadata lives in pyproject.toml.
+"""Build the native transfer engine and the linear kernels; metadata lives in pyproject.toml.
 
 The RDMA transport is compiled in only where `infiniband/verbs.h` is present (Debian:
 libibverbs-dev); elsewhere native/te_rdma.c builds stubs that report RDMA as unavailable.
@@ -47,26 +47,25 @@ def transfer_engine_extension() -> object:
     )
 
 
-def int8_vnni_extension() -> object | None:
-    """The int8 linear kernel for AVX512-VNNI (x86-64 only; used where the CPU has it).
+def linear_extensions() -> list[object]:
+    """The native linear kernels (x86-64 only; each used where the CPU has what it needs).
 
-    OpenMP: the library resolves to the libgomp torch has loaded (same soname), so the kernel
-    runs on torch's thread team and sizes it as torch's own ops do.
+    OpenMP: the library resolves to the libgomp torch has loaded (same soname), so the kernels
+    run on torch's thread team and size it as torch's own ops do.
     """
     from setuptools import Extension
 
     if platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    return Extension(
-        "mooncake_server.engine._int8_vnni",
-        sources=[str(NATIVE / "linear" / "int8_vnni.c")],
+        return []
+    return [Extension(
+        f"mooncake_server.engine._{name}",
+        sources=[str(NATIVE / "linear" / f"{name}.c")],
         extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", *WARNINGS, "-fvisibility=hidden"],
         extra_link_args=["-fopenmp"],
-    )
+    ) for name in ("int8_vnni", "w8_group")]
 
 
 if __name__ == "__main__":
     from setuptools import setup
 
-    extensions = [transfer_engine_extension(), int8_vnni_extension()]
-    setup(ext_modules=[e for e in extensions if e is not None])
+    setup(ext_modules=[transfer_engine_extension(), *linear_extensions()])

@@ -12,7 +12,7 @@ from typing import Any
 ROLES = ("conductor", "prefill", "decode", "store", "all", "colocated")
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8-weights", "int8")
 POLICIES = ("random", "load", "cache-local", "cache-global")
 KV_WRITES = ("auto", "layer", "after")
 
@@ -95,17 +95,18 @@ class ServerConfig:
         (CONDUCTOR, *ENGINES))
     served_model_name: str | None = _setting(None, "--served-model-name",
                                              "name clients pass as `model`", (CONDUCTOR, *ENGINES))
-    # auto = float32 activations and KV with measured linear kernels; the conductor namespaces
+    # auto = float32 activations and KV, linears by the CPU's flags; the conductor namespaces
     # block keys by it and sizes the built-in cost model's KV bytes with it.
     dtype: str = _setting(
         "auto", "--dtype",
-        "auto (default: float32 activations and KV, each linear's kernel timed at start-up "
-        "among fp32, bf16 where the CPU has AMX/AVX512-BF16, and int8) | float32 | bfloat16 | "
-        "float16; float32 is the exact mode", (CONDUCTOR, *ENGINES))
+        "auto (default: float32 activations and KV, int8 weights in groups of 32 where the CPU "
+        "has AVX2+FMA) | float32 | bfloat16 | float16; float32 is the exact mode",
+        (CONDUCTOR, *ENGINES))
     quantization: str = _setting(
         "auto", "--quantization",
-        "auto (default: measured kernels under --dtype auto, plain linears under a dtype given "
-        "by hand) | none | int8 (dynamic int8 linears, per-channel weights)", ENGINES)
+        "auto (default: auto's kernel under --dtype auto, plain linears under a dtype given "
+        "by hand) | none | int8-weights (weight-only, groups of 32) | int8 (dynamic int8 "
+        "linears, per-channel weights)", ENGINES)
     block_tokens: int = _setting(16, "--block-tokens", "tokens per KV block (default 16)",
                                  (CONDUCTOR, *ENGINES))
     # None = the model's max_position_embeddings

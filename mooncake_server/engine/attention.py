@@ -4,10 +4,12 @@ A forward pass carries a packed, variable-length batch (several sequences back t
 in all). For each layer `attend` writes the new K/V into their cache slots, then attends in as
 few calls as the batch allows:
 
-- every decoding sequence (one new token) together: their K and V gathered in ONE `index_select`
-  of per-head block runs, which lands as [2, B, kv_heads, blocks * block_tokens, head_dim] with
-  no further copy (the pool keeps a head's tokens contiguous); padding masked by an additive
-  bias; scores and weighted sum are two batched matmuls. torch's CPU flash kernel is tuned for
+- the decoding sequences (one new token each) in groups of equal padded context width (a
+  multiple of 256 tokens, fixed by each sequence's own length, so a row's arithmetic does not
+  depend on its batch): a group's K and V gathered in ONE `index_select` of per-head block
+  runs, which lands as [2, B, kv_heads, blocks * block_tokens, head_dim] with no further copy
+  (the pool keeps a head's tokens contiguous); padding masked by an additive bias; scores and
+  weighted sum are two batched matmuls. torch's CPU flash kernel is tuned for
   long query blocks: at one query row per sequence it took 1.4-1.5x as long as the matmuls;
 - a prompt with no cached context straight over its own new K/V (causal, flash kernel);
 - a prompt chunk with cached context over its gathered blocks, causally masked.
@@ -27,6 +29,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "mooncake_paged"
+# Decode contexts are padded to a multiple of this many tokens (see DecodeBatch).
+DECODE_BUCKET_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -42,14 +46,28 @@ class PromptSlice:
 
 
 @dataclass(frozen=True)
-class DecodeBatch:
-    """The decoding sequences of a pass: its first `size` rows, one token each."""
+class DecodeGroup:
+    """Decoding rows `[start, start + size)` whose contexts pad to the same width."""
 
+    start: int
     size: int
     # [layers, 2 * size * kv_heads * blocks] long `head_runs` rows per layer, ordered (K|V, seq,
     # head, block); short tables padded with a valid block
     ctx_runs: torch.Tensor
     bias: torch.Tensor | None  # [size, 1, 1, blocks * block_tokens] 0 / -inf; None: no padding
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The decoding sequences of a pass: its first `size` rows, one token each, in groups.
+
+    A sequence's context is padded to a width fixed by its own length (`decode_width`), never
+    by the longest context beside it: the reductions over it (softmax, the weighted sum) then
+    run the same shapes, so the same order, alone or in any batch.
+    """
+
+    size: int
+    groups: list[DecodeGroup]
 
 
 @dataclass
@@ -103,9 +121,28 @@ def _gather(plan: AttentionPlan, runs: torch.Tensor, n: int, head_dim: int) -> t
     return plan.head_runs.index_select(0, runs).view(2, n, plan.kv_heads, -1, head_dim)
 
 
+def decode_width(blocks: int, block_tokens: int) -> int:
+    """The padded context width, in blocks, of a decoding sequence spanning `blocks` blocks:
+    a whole number of DECODE_BUCKET_TOKENS (wasted work stays small next to the linears)."""
+    bucket = max(1, DECODE_BUCKET_TOKENS // block_tokens)
+    return -(-blocks // bucket) * bucket
+
+
 def _decode(plan: AttentionPlan, d: DecodeBatch, layer: int, q: torch.Tensor, scale: float,
             ) -> torch.Tensor:
     """Attention of the decoding rows q [B, heads, d] over their context: [B, heads, d]."""
+    if len(d.groups) == 1:
+        return _decode_group(plan, d.groups[0], layer, q, scale)
+    out = q.new_empty(q.shape)
+    for g in d.groups:
+        out[g.start:g.start + g.size] = _decode_group(plan, g, layer,
+                                                      q[g.start:g.start + g.size], scale)
+    return out
+
+
+def _decode_group(plan: AttentionPlan, d: DecodeGroup, layer: int, q: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """`_decode` for one group of equal context width."""
     b, heads, head_dim = q.shape
     kv = _gather(plan, d.ctx_runs[layer], b, head_dim)
     # Query head h reads KV head h // group, as in HF's repeat_kv.

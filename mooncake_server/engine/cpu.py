@@ -1,9 +1,9 @@
 """What the CPU at hand computes fast: read once from /proc/cpuinfo, never assumed.
 
 Machines differ: Intel parts with AMX-BF16 run bf16 GEMMs several times faster than fp32, while
-AVX2-only parts run torch's bf16 GEMM ~100x slower than fp32. The flags decide which kernels are
-worth timing for `--dtype auto` (float32 activations and KV everywhere, so every machine's KV
-bytes agree; the linears' kernels are then measured, see kernel_choice.py).
+AVX2-only parts run torch's bf16 GEMM ~100x slower than fp32. The flags decide which kernel
+`--dtype auto` runs (float32 activations and KV everywhere, so every machine's KV bytes agree;
+see kernel_choice.py) and which kernels a user may pick by hand.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # bf16 matmul in hardware
 INT8_FLAGS = ("avx512_vnni", "avx_vnni", "avx2")  # fbgemm's int8 kernels
 VNNI_FLAGS = ("avx512bw", "avx512_vnni")  # vnni_linear.py's int8 kernel
+W8_FLAGS = ("avx2", "fma")  # w8_linear.py's weight-only int8 kernel (auto's)
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,15 @@ class CpuFeatures:
         """512-bit int8 dot products (VPDPBUSD), which vnni_linear.py's kernel needs."""
         return all(f in self.flags for f in VNNI_FLAGS)
 
+    @property
+    def avx2_fma(self) -> bool:
+        """256-bit FMA, which w8_linear.py's kernel (auto's) needs."""
+        return all(f in self.flags for f in W8_FLAGS)
+
     def describe(self) -> str:
         """A log line: model name and the flags that matter here."""
-        shown = [f for f in (*BF16_FLAGS, *INT8_FLAGS) if f in self.flags]
+        shown = [f for f in dict.fromkeys((*BF16_FLAGS, *INT8_FLAGS, *W8_FLAGS, *VNNI_FLAGS))
+                 if f in self.flags]
         return f"{self.model or 'unknown CPU'} [{' '.join(shown) or 'no bf16/int8 flags'}]"
 
 
@@ -78,8 +85,8 @@ def resolve_dtype_name(name: str) -> str:
 def resolve_quantization(name: str, dtype_flag: str) -> str:
     """--quantization as what load_model applies, given --dtype as passed.
 
-    'auto' measures the kernels under `--dtype auto` ("auto" stays); a dtype named by hand gets
-    plain linears in it (float32 by hand is the exact mode, whatever the CPU).
+    'auto' under `--dtype auto` stays "auto" (kernel_choice.py picks the kernel); a dtype named
+    by hand gets plain linears in it (float32 by hand is the exact mode, whatever the CPU).
     """
     if name != "auto":
         return name

@@ -11,7 +11,7 @@ from mooncake_server.engine.core_budget import core_budget_for
 from mooncake_server.engine.cpu import cpu_features, resolve_dtype_name, resolve_quantization
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.model_runner import ModelRunner, load_model, resolve_dtype
-from mooncake_server.model_assets import default_cache_dir, resolve_model, served_name
+from mooncake_server.model_assets import resolve_model, served_name
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,9 @@ def build_runner(config: ServerConfig, make_buffer: BufferFactory) -> tuple[Mode
     quantization = resolve_quantization(config.quantization, config.dtype)
     log.info("CPU %s: dtype %s%s, linears %s", cpu.describe(), dtype_name,
              " (auto)" if config.dtype == "auto" else "",
-             "measured at start-up" if quantization == "auto" else quantization)
+             "by the CPU's flags" if quantization == "auto" else quantization)
     dtype = resolve_dtype(dtype_name)
-    model = load_model(path, dtype, quantization, cores, default_cache_dir() / "kernels")
+    model = load_model(path, dtype, quantization, cpu)
     layout = KVLayout.from_model_config(model.config, config.block_tokens, dtype)
     num_blocks = config.kv_memory_bytes // layout.block_bytes
     if num_blocks < 1:

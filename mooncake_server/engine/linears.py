@@ -13,12 +13,10 @@ Replacements of `nn.Linear`, applied to every linear of the loaded model:
   rounding with what shares its step; greedy output is compared with HF running the same module.
   The output projection (lm_head) is the exception: it keeps 16-bit weights (`Fp16WeightLinear`,
   see `OUTPUT_PROJECTION`).
+- `W8Linear` (w8_linear.py, CPUs with AVX2 and FMA): int8 weights in groups of 32 with float32
+  activations; `--dtype auto`'s kernel (kernel_choice.py), at every row count.
 - `VnniInt8Linear` (vnni_linear.py, CPUs with AVX512-VNNI): an int8 GEMV for decode-sized calls,
-  activations quantized per row; a candidate of `--dtype auto` only.
-
-`--dtype auto` (float32 activations and KV) gives each linear the kernel measured fastest for
-the pass at hand (kernel_choice.py): `BatchSizedLinear` switches between two by the rows of the
-call, since one-token steps are bound by weight bytes and prompt passes by arithmetic.
+  activations quantized per row; scored by scripts/bench_quality.py, not served.
 """
 
 from __future__ import annotations
@@ -26,15 +24,13 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from mooncake_server.engine.cpu import CpuFeatures, cpu_features
 from mooncake_server.engine.vnni_linear import VnniInt8Linear
-
-if TYPE_CHECKING:
-    from mooncake_server.engine.kernel_choice import KernelChoice
+from mooncake_server.engine.w8_linear import W8Linear, w8_fits
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +137,14 @@ def fp16_weights_supported() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def int8_weights(linear: nn.Linear) -> nn.Module:
+    """The weight-only int8 kernel where the input width is whole groups, else the linear."""
+    return W8Linear(linear) if w8_fits(linear) else linear
+
+
 KERNELS: dict[str, Callable[[nn.Linear], nn.Module]] = {
     "float32": lambda linear: linear,
+    "int8-weights": int8_weights,
     "bfloat16": FloatBF16Linear,
     "int8": int8_linear,
     "int8-vnni": VnniInt8Linear,
@@ -167,47 +169,16 @@ def output_kernel(kernel: str) -> str:
     return "fp16-weights" if fp16_weights_supported() else "float32"
 
 
-class BatchSizedLinear(nn.Module):
-    """One linear, two kernels: `small` for calls of at most `up_to` rows, `large` above."""
-
-    def __init__(self, small: nn.Module, large: nn.Module, up_to: int) -> None:
-        super().__init__()
-        self.small, self.large, self.up_to = small, large, up_to
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T + b by the kernel measured fastest for this many rows."""
-        rows = x.numel() // x.shape[-1]
-        return self.small(x) if rows <= self.up_to else self.large(x)
-
-    def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The same choice as `forward`, as one function over the kernels' own forwards."""
-        small, large, up_to = direct_call(self.small), direct_call(self.large), self.up_to
-
-        def call(x: torch.Tensor) -> torch.Tensor:
-            return small(x) if x.numel() // x.shape[-1] <= up_to else large(x)
-
-        return call
-
-
 def direct_call(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """What calling `module` ends in, without nn.Module's call machinery (hooks are not used)."""
-    if isinstance(module, BatchSizedLinear):
-        return module.direct()
     return module.forward
 
 
-def apply_kernels(model: nn.Module, choice: KernelChoice) -> int:
-    """Give every nn.Linear of `model` the kernels `choice` names; returns how many."""
-
-    def make(linear: nn.Linear, output: bool) -> nn.Module:
-        small, large = choice.small, choice.large
-        if output:
-            small, large = output_kernel(small), output_kernel(large)
-        if small == large:
-            return KERNELS[small](linear)
-        return BatchSizedLinear(KERNELS[small](linear), KERNELS[large](linear), choice.up_to)
-
-    return _replace_linears(model, make)
+def apply_kernel(model: nn.Module, kernel: str) -> int:
+    """Give every nn.Linear of `model` the kernel `kernel` (the output projection
+    `output_kernel(kernel)`); returns how many."""
+    return _replace_linears(model, lambda linear, output: KERNELS[
+        output_kernel(kernel) if output else kernel](linear))
 
 
 def _replace_linears(model: nn.Module, make: Callable[[nn.Linear, bool], nn.Module]) -> int:
@@ -223,27 +194,26 @@ def _replace_linears(model: nn.Module, make: Callable[[nn.Linear, bool], nn.Modu
 
 
 def prepare_linears(model: nn.Module, dtype: torch.dtype, quantization: str,
-                    measure: Callable[[list[nn.Linear]], KernelChoice] | None = None) -> str:
-    """Put the fast kernel for (dtype, quantization) into `model`; returns what was done.
+                    cpu: CpuFeatures | None = None) -> str:
+    """Put the kernel for (dtype, quantization) into `model`; returns what was done.
 
-    `quantization` "auto" (float32 only) gives each linear the kernels `measure` chooses.
+    `quantization` "auto" (float32 only) gives every linear the kernel kernel_choice.py picks
+    for `cpu` (default: this machine's).
     """
-    if quantization == "auto":
-        if dtype != torch.float32 or measure is None:
-            raise ValueError("measured kernels need a float32 model and a measure")
-        linears = [m for m in model.modules() if type(m) is nn.Linear]
-        choice = measure(linears)
-        n = apply_kernels(model, choice)
-        held = (f"; {OUTPUT_PROJECTION} {output_kernel('int8')} instead of int8"
-                if INT8_ACTIVATIONS & {choice.small, choice.large} else "")
-        return f"{n} linears measured fastest: {choice.describe()}{held}"
-    if quantization == "int8":
+    if quantization in ("auto", "int8-weights", "int8"):
         if dtype != torch.float32:
-            raise ValueError("--quantization int8 needs --dtype float32 (activations stay fp32)")
-        _replace_linears(model, lambda lin, output: KERNELS[
-            output_kernel("int8") if output else "int8"](lin))
-        return (f"int8 dynamic linears (fbgemm, per-channel weights); {OUTPUT_PROJECTION} "
-                f"{output_kernel('int8')}")
+            raise ValueError(f"--quantization {quantization} needs float32 activations "
+                             "(--dtype auto or float32)")
+    if quantization == "auto":
+        from mooncake_server.engine.kernel_choice import auto_kernel
+
+        linears = [m for m in model.modules() if type(m) is nn.Linear]
+        choice = auto_kernel(cpu or cpu_features(), linears)
+        n = apply_kernel(model, choice.kernel)
+        return f"{n} linears: {choice.reason}"
+    if quantization in ("int8", "int8-weights"):
+        n = apply_kernel(model, quantization)
+        return f"{n} linears {quantization}; {OUTPUT_PROJECTION} {output_kernel(quantization)}"
     if dtype == torch.bfloat16 and bf16_packing_supported():
         n = _replace_linears(model, lambda lin, output: PackedBF16Linear(lin))
         return f"{n} bf16 linears prepacked for oneDNN"

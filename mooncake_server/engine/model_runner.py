@@ -16,22 +16,15 @@ from transformers import AutoModelForCausalLM
 from mooncake_server.engine.attention import (
     AttentionPlan,
     DecodeBatch,
+    DecodeGroup,
     PromptSlice,
     causal_mask,
+    decode_width,
     per_layer,
     register_paged_attention,
 )
 from mooncake_server.engine.core_budget import CoreBudget, FixedThreads
-from mooncake_server.engine.cpu import cpu_features, resolve_dtype_name
-from mooncake_server.engine.kernel_choice import (
-    KernelChoice,
-    choice_key,
-    faithful_choice,
-    kernel_candidates,
-    kernel_errors,
-    measure_kernels,
-    remembered_choice,
-)
+from mooncake_server.engine.cpu import CpuFeatures, resolve_dtype_name
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.linears import prepare_linears
 from mooncake_server.engine.llama_stack import LlamaStack, supports
@@ -56,44 +49,17 @@ def packed_forward(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def load_model(model_path: str, dtype: torch.dtype, quantization: str = "none",
-               cores: CoreBudget | FixedThreads | None = None,
-               kernel_cache: Path | None = None) -> torch.nn.Module:
-    """Load HF weights with our paged attention and the CPU's fast linears; inference mode, eval.
+               cpu: CpuFeatures | None = None) -> torch.nn.Module:
+    """Load HF weights with our paged attention and the CPU's kernels; inference mode, eval.
 
-    `quantization` "auto" uses the kernel choice remembered in `kernel_cache` (a folder) for
-    this CPU and these weights, or times the CPU's kernels on them, holding a turn on `cores`
-    so engines starting together do not time each other's load.
+    `quantization` "auto" runs the kernel kernel_choice.py picks for `cpu` (default: this
+    machine's flags): the same on every start and in every role.
     """
     impl = register_paged_attention()
     hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=impl)
-    # Fuse before quantizing or packing: the fast kernels then apply to the fused linears.
+    # Fuse before quantizing or packing: the kernels then apply to the fused linears.
     model = packed_forward(hf.eval())
-    turns = cores or FixedThreads(None)
-
-    def measure(linears: list[torch.nn.Linear]) -> KernelChoice:
-        cpu = cpu_features()
-        kernels = kernel_candidates(cpu)
-
-        def timed() -> KernelChoice:
-            turns.enter_step()
-            try:
-                return measure_kernels(linears, kernels)
-            finally:
-                turns.exit_step()
-
-        if kernel_cache is None:
-            choice = timed()
-        else:
-            choice = remembered_choice(
-                kernel_cache / f"{choice_key(cpu, kernels, linears)}.json", timed)
-        chosen = sorted({choice.small, choice.large} - {"float32"})
-        turns.enter_step()  # checked with the team this process's passes run with
-        try:
-            return faithful_choice(choice, kernel_errors(linears, chosen))
-        finally:
-            turns.exit_step()
-
-    done = prepare_linears(model, dtype, quantization, measure)
+    done = prepare_linears(model, dtype, quantization, cpu)
     log.info("forward: %s; linears: %s",
              "lean Llama stack" if isinstance(model, LlamaStack) else "HF modules", done)
     return model
@@ -196,6 +162,22 @@ class ModelRunner:
                          logits_to_keep=rows, paged_ctx=plan)
         return out.logits[0].float()
 
+    def _decode_group(self, tables: list[list[int]], lens: list[int], start: int, width: int,
+                      runs_per_block: int, head_runs: torch.Tensor, layers: int) -> DecodeGroup:
+        """Decoding rows from `start` with block `tables`, context lengths `lens`, padded to
+        `width` blocks (a short table repeats its first block, masked out)."""
+        bt = self.layout.block_tokens
+        kvh = self.layout.kv_heads
+        padded = [t + [t[0]] * (width - len(t)) for t in tables]
+        blocks = torch.tensor(padded, dtype=torch.long).view(1, len(tables), 1, width)
+        bias = None
+        if any(n != width * bt for n in lens):
+            pad = torch.arange(width * bt)[None, :] >= torch.tensor(lens)[:, None]
+            bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
+            bias = bias.view(len(lens), 1, 1, width * bt)
+        runs = per_layer((blocks * runs_per_block + head_runs).view(-1), layers, 2 * kvh)
+        return DecodeGroup(start, len(tables), runs, bias)
+
     def _plan(self, items: Seq[StepItem], on_layer: Callable[[int], None] | None,
               ) -> tuple[AttentionPlan, list[int], list[int], list[int]]:
         """Pack the batch (decoding sequences first, then prompt chunks) and index its KV."""
@@ -222,6 +204,8 @@ class ModelRunner:
         last_rows = [0] * len(items)
         decode: DecodeBatch | None = None
         if decodes:
+            # Rows in order of padded width, so each width's group is one slice of rows.
+            decodes.sort(key=lambda i: decode_width(items[i].seq.num_computed // bt + 1, bt))
             tables: list[list[int]] = []
             lens: list[int] = []
             for row, i in enumerate(decodes):
@@ -233,18 +217,17 @@ class ModelRunner:
                 tables.append(s.block_ids[:pos // bt + 1])
                 lens.append(pos + 1)
                 last_rows[i] = row
-            width = max(len(t) for t in tables)
-            padded = [t + [t[0]] * (width - len(t)) for t in tables]
-            blocks = torch.tensor(padded, dtype=torch.long).view(1, len(decodes), 1, width)
-            bias = None
-            if any(n != width * bt for n in lens):
-                pad = torch.arange(width * bt)[None, :] >= torch.tensor(lens)[:, None]
-                bias = torch.zeros(pad.shape).masked_fill_(pad, float("-inf"))
-                bias = bias.view(len(lens), 1, 1, width * bt)
-            decode = DecodeBatch(size=len(decodes),
-                                 ctx_runs=per_layer((blocks * runs_per_block + head_runs).view(-1),
-                                                    layers, 2 * kvh),
-                                 bias=bias)
+            groups: list[DecodeGroup] = []
+            start = 0
+            while start < len(tables):
+                width = decode_width(len(tables[start]), bt)
+                end = start
+                while end < len(tables) and decode_width(len(tables[end]), bt) == width:
+                    end += 1
+                groups.append(self._decode_group(tables[start:end], lens[start:end], start,
+                                                 width, runs_per_block, head_runs, layers))
+                start = end
+            decode = DecodeBatch(size=len(decodes), groups=groups)
         slot_parts = [torch.tensor(slots, dtype=torch.long)] if slots else []
         prompt_slices: list[PromptSlice] = []
         for i in prompts:

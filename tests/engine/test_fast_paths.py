@@ -11,13 +11,13 @@ import torch
 from test_engine_loop import collect, hf_greedy, make_backend
 
 from mooncake_server.engine.attention import causal_mask
-from mooncake_server.engine.kernel_choice import KernelChoice, choose_kernels
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
-from mooncake_server.engine.linears import bf16_packing_supported, prepare_linears
+from mooncake_server.engine.linears import apply_kernel, bf16_packing_supported, prepare_linears
 from mooncake_server.engine.llama_stack import LlamaStack, supports
 from mooncake_server.engine.model_runner import ModelRunner, StepItem, packed_forward
 from mooncake_server.engine.sequence import Sequence
 from mooncake_server.engine.vnni_linear import vnni_supported
+from mooncake_server.engine.w8_linear import w8_supported
 from mooncake_server.wire.jobs import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
@@ -103,16 +103,14 @@ def test_colocated_prompt_chunks_are_capped_while_sequences_decode(tiny_model_pa
     assert out_long == hf_greedy(tiny_model_pair[0], long, 3)
 
 
-def _greedy_with_linears(tiny_model_pair, dtype: torch.dtype, quantization: str,
-                         choice: KernelChoice | None = None) -> None:
+def _greedy_with_linears(tiny_model_pair, dtype: torch.dtype, quantization: str) -> None:
     ref, paged = (copy.deepcopy(m).to(dtype) for m in tiny_model_pair)
     # HF runs the same kernels: the reference differs from ours only in attention, batching and
     # the fused qkv / gate|up linears (quantized per output channel, so fusing changes nothing).
-    measure = None if choice is None else (lambda linears: choice)
-    prepare_linears(ref, dtype, quantization, measure)
+    prepare_linears(ref, dtype, quantization)
     paged = packed_forward(paged)
     assert isinstance(paged, LlamaStack)
-    prepare_linears(paged, dtype, quantization, measure)
+    prepare_linears(paged, dtype, quantization)
     layout = KVLayout.from_model_config(paged.config, 4, dtype)
     kv = PagedKVCache(layout, num_blocks=200)
     runner = ModelRunner(paged, kv)
@@ -124,32 +122,72 @@ def _greedy_with_linears(tiny_model_pair, dtype: torch.dtype, quantization: str,
 
 @pytest.mark.skipif(not bf16_packing_supported(), reason="this CPU/torch has no oneDNN bf16")
 def test_bf16_packed_linears_greedy_equals_hf_in_bf16(tiny_model_pair) -> None:
-    """--dtype bfloat16 (what auto picks on AMX/AVX512-BF16) matches HF running bf16."""
+    """--dtype bfloat16 with prepacked linears matches HF running bf16."""
     _greedy_with_linears(tiny_model_pair, torch.bfloat16, "none")
 
 
 def test_int8_linears_greedy_equals_hf_with_the_same_quantization(tiny_model_pair) -> None:
-    """--quantization int8 (what auto picks on AVX2-only CPUs) matches HF quantized alike."""
+    """--quantization int8 matches HF quantized alike."""
     _greedy_with_linears(tiny_model_pair, torch.float32, "int8")
 
 
-@pytest.mark.skipif(not bf16_packing_supported(), reason="this CPU/torch has no oneDNN bf16")
-def test_measured_kernels_greedy_equals_hf_with_the_same_kernels(tiny_model_pair) -> None:
-    """--dtype auto on an AMX CPU: int8 for one-token steps (and a 3-token prompt), bf16 above."""
-    choice = choose_kernels({"int8": {1: 1.0, 4: 1.5, 16: 4.0, 256: 9.0},
-                             "bfloat16": {1: 2.0, 4: 2.0, 16: 2.0, 256: 3.0}})
-    assert (choice.small, choice.up_to, choice.large) == ("int8", 4, "bfloat16")
-    _greedy_with_linears(tiny_model_pair, torch.float32, "auto", choice)
+@pytest.mark.skipif(not w8_supported(), reason="this CPU has no AVX2+FMA")
+def test_auto_kernel_greedy_equals_hf_with_the_same_kernel(tiny_model_pair) -> None:
+    """--dtype auto: the weight-only int8 kernel in every linear, prompts and steps alike."""
+    _greedy_with_linears(tiny_model_pair, torch.float32, "auto")
 
 
 @pytest.mark.skipif(not vnni_supported(), reason="this CPU has no AVX512-VNNI")
-def test_vnni_kernels_greedy_equals_hf_with_the_same_kernels(tiny_model_pair) -> None:
-    """--dtype auto on an AVX512-VNNI CPU: the VNNI int8 GEMV for decode-sized calls."""
-    large = "bfloat16" if bf16_packing_supported() else "float32"
-    choice = choose_kernels({"int8-vnni": {1: 1.0, 16: 1.5, 256: 9.0},
-                             large: {1: 2.0, 16: 2.0, 256: 3.0}})
-    assert (choice.small, choice.up_to, choice.large) == ("int8-vnni", 16, large)
-    _greedy_with_linears(tiny_model_pair, torch.float32, "auto", choice)
+def test_vnni_kernel_greedy_equals_hf_with_the_same_kernel(tiny_model_pair) -> None:
+    """The VNNI int8 GEMV (a mode bench_quality scores) in every linear but the output's."""
+    ref, paged = (copy.deepcopy(m) for m in tiny_model_pair)
+    apply_kernel(ref, "int8-vnni")
+    paged = packed_forward(paged)
+    apply_kernel(paged, "int8-vnni")
+    layout = KVLayout.from_model_config(paged.config, 4, torch.float32)
+    runner = ModelRunner(paged, PagedKVCache(layout, num_blocks=200))
+    prompt = torch.randint(2, 250, (18,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert _runner_greedy(runner, prompt, 12) == hf_greedy(ref, prompt, 12)
+
+
+def _logits_alone_and_batched(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list, list]:
+    """Each prompt's prefill and 3 decode steps' logits: run alone, then all in one batch."""
+    kv = runner.kv
+
+    def run(group: list[list[int]]) -> list[list[torch.Tensor]]:
+        seqs = [_seq(kv, f"r{i}", p) for i, p in enumerate(group)]
+        for seq in seqs:
+            seq.block_ids += kv.allocate(kv.layout.blocks_for(len(seq.token_ids) + 4)
+                                         - len(seq.block_ids))
+        out: list[list[torch.Tensor]] = [[] for _ in seqs]
+        logits = runner.step([StepItem(s, len(s.token_ids)) for s in seqs])
+        for _ in range(3):
+            for i, seq in enumerate(seqs):
+                out[i].append(logits[i].clone())
+                seq.num_computed = len(seq.token_ids)
+                seq.token_ids.append(int(logits[i].argmax()))
+            logits = runner.step([StepItem(s, 1) for s in seqs])
+        for seq in seqs:
+            kv.free(seq.block_ids)
+        return out
+
+    alone = [run([p])[0] for p in prompts]
+    return alone, run(prompts)
+
+
+@pytest.mark.skipif(not w8_supported(), reason="this CPU has no AVX2+FMA")
+def test_auto_logits_do_not_depend_on_what_shares_the_step(tiny_model_pair) -> None:
+    """A request's greedy answer in the default mode is the same alone or in any batch: every
+    row of auto's linears is summed in one fixed order (float32's BLAS is not: docs/engine.md)."""
+    paged = packed_forward(copy.deepcopy(tiny_model_pair[1]))
+    prepare_linears(paged, torch.float32, "auto")
+    layout = KVLayout.from_model_config(paged.config, 4, torch.float32)
+    runner = ModelRunner(paged, PagedKVCache(layout, num_blocks=200))
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(2, 250, (n,), generator=g).tolist() for n in (5, 17, 30, 9, 41)]
+    alone, batched = _logits_alone_and_batched(runner, prompts)
+    for a, b in zip(alone, batched):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_packed_bf16_linear_is_bit_identical_to_plain_bf16(tiny_model_pair) -> None:

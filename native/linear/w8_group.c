@@ -1,0 +1,262 @@
+/* Weight-only int8 linear on AVX2+FMA: y = x @ W.T + b, float32 activations, int8 weights.
+ *
+ * `--dtype auto`'s kernel. Decode reads every weight once per step, so int8 weights (a quarter
+ * of float32's bytes) make one-token steps faster; the activations stay float32, so the only
+ * rounding against float32 is the weights', and that one is small:
+ *
+ * - weights: groups of GROUP inputs per output channel, each group stored as unsigned bytes q
+ *   with its own scale s and offset m (w = s * q + m, q spanning the group's range in 255
+ *   steps). A model converted from a 4-bit GGUF (the bundled default) has at most 16 distinct
+ *   values per group, spread evenly: they land on exact byte levels and come back within one
+ *   float32 rounding;
+ * - packed as [N/BLOCK_N][K/8][BLOCK_N][8]: one 8-byte load is 8 inputs of one channel;
+ * - few rows (decode) turn each weight byte into a float in registers; many rows (prefill)
+ *   dequantize a slab of channels into float32 once and pass every row over it. Both compute
+ *   each weight as the same q * s + m;
+ * - every output is summed in one fixed order (8 lanes over k ascending, then the lanes in a
+ *   fixed tree, then the bias), whatever the number of rows in the call, the tile a row lands
+ *   in, or the thread count: a row's result does not depend on what shares its call. The same
+ *   instructions run on every x86-64 CPU with AVX2 and FMA, so results agree across them too.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define GROUP 32 /* inputs per scale and offset */
+#define BLOCK_N 2 /* output channels per tile */
+#define TILE_M 4 /* rows per tile: 8 accumulators + 2 weights + 1 input of 16 registers */
+#define WIDE_N 3 /* channels per tile from dequantized weights: 12 accumulators + 3 + 1 */
+#define SLAB_N 48 /* channels dequantized at once for many rows (a multiple of WIDE_N) */
+#define NARROW_ROWS 4 /* up to this many rows, weights are dequantized in registers */
+#define TARGET __attribute__((target("avx2,fma")))
+
+/* The weights of `BLOCK_N` channels for inputs [k, k+8): q * s + m per lane. */
+TARGET static inline __m256 weights(const uint8_t *q, __m256 s, __m256 m)
+{
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), s, m);
+}
+
+/* The 8 lanes' sum in one fixed order. */
+TARGET static inline float lanes_sum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Rows [r0, r0+rows) (rows <= TILE_M) times the BLOCK_N channels of block `b`. Each output's
+ * arithmetic is the same whatever `rows` is: the compiler unrolls per `rows`, nothing else. */
+TARGET static inline void tile(const float *x, int k, int rows, const uint8_t *qb,
+                               const float *sb, const float *mb, const float *bias, float *y,
+                               int n, int b)
+{
+    __m256 acc[TILE_M][BLOCK_N];
+    for (int r = 0; r < TILE_M; r++)
+        for (int c = 0; c < BLOCK_N; c++)
+            acc[r][c] = _mm256_setzero_ps();
+    for (int g = 0; g < k / GROUP; g++) {
+        __m256 s[BLOCK_N], m[BLOCK_N];
+        for (int c = 0; c < BLOCK_N; c++) {
+            s[c] = _mm256_set1_ps(sb[g * BLOCK_N + c]);
+            m[c] = _mm256_set1_ps(mb[g * BLOCK_N + c]);
+        }
+        for (int j = 0; j < GROUP; j += 8) {
+            const int kk = g * GROUP + j;
+            const uint8_t *q = qb + (size_t)kk * BLOCK_N;
+            __m256 w[BLOCK_N];
+            for (int c = 0; c < BLOCK_N; c++)
+                w[c] = weights(q + c * 8, s[c], m[c]);
+            for (int r = 0; r < rows; r++) {
+                const __m256 xv = _mm256_loadu_ps(x + (size_t)r * k + kk);
+                for (int c = 0; c < BLOCK_N; c++)
+                    acc[r][c] = _mm256_fmadd_ps(w[c], xv, acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < BLOCK_N; c++) {
+            const int ch = b * BLOCK_N + c;
+            if (ch < n)
+                y[(size_t)r * n + ch] = lanes_sum(acc[r][c]) + (bias ? bias[ch] : 0.0f);
+        }
+}
+
+/* The tile for a full TILE_M rows and for 1..3 rows: each a constant row count, unrolled. */
+TARGET static void tile_rows(const float *x, int k, int rows, const uint8_t *qb, const float *sb,
+                             const float *mb, const float *bias, float *y, int n, int b)
+{
+    switch (rows) {
+    case 4: tile(x, k, 4, qb, sb, mb, bias, y, n, b); break;
+    case 3: tile(x, k, 3, qb, sb, mb, bias, y, n, b); break;
+    case 2: tile(x, k, 2, qb, sb, mb, bias, y, n, b); break;
+    default: tile(x, k, 1, qb, sb, mb, bias, y, n, b); break;
+    }
+}
+
+/* Channel `c` of block `b`, dequantized to float32 into `w` (k floats): the same q * s + m per
+ * lane that `weights` gives, so both paths multiply by the very same values. */
+TARGET static void dequantize(const uint8_t *qb, const float *sb, const float *mb, int k, int c,
+                              float *w)
+{
+    for (int g = 0; g < k / GROUP; g++) {
+        const __m256 s = _mm256_set1_ps(sb[g * BLOCK_N + c]), m = _mm256_set1_ps(mb[g * BLOCK_N + c]);
+        for (int j = 0; j < GROUP; j += 8) {
+            const int kk = g * GROUP + j;
+            _mm256_storeu_ps(w + kk, weights(qb + (size_t)kk * BLOCK_N + c * 8, s, m));
+        }
+    }
+}
+
+/* rows x chans outputs from dequantized weights `w` (chans rows of k floats, channel-major):
+ * per output, lane-wise fma over k ascending, then lanes_sum, then the bias - as `tile`. */
+TARGET static inline void wide_tile(const float *x, int k, int rows, const float *w, int chans,
+                                    const float *bias, float *y, int n, int ch0)
+{
+    __m256 acc[TILE_M][WIDE_N];
+    for (int r = 0; r < TILE_M; r++)
+        for (int c = 0; c < WIDE_N; c++)
+            acc[r][c] = _mm256_setzero_ps();
+    for (int kk = 0; kk < k; kk += 8) {
+        __m256 wv[WIDE_N];
+        for (int c = 0; c < chans; c++)
+            wv[c] = _mm256_loadu_ps(w + (size_t)c * k + kk);
+        for (int r = 0; r < rows; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + (size_t)r * k + kk);
+            for (int c = 0; c < chans; c++)
+                acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < chans; c++)
+            y[(size_t)r * n + ch0 + c] = lanes_sum(acc[r][c]) + (bias ? bias[ch0 + c] : 0.0f);
+}
+
+/* wide_tile with constant shapes, so each is unrolled with its accumulators in registers. */
+TARGET static void wide_rows(const float *x, int k, int rows, const float *w, int chans,
+                             const float *bias, float *y, int n, int ch0)
+{
+#define WIDE(R, C) wide_tile(x, k, R, w, C, bias, y, n, ch0)
+    if (chans == WIDE_N) {
+        switch (rows) {
+        case 4: WIDE(4, 3); break;
+        case 3: WIDE(3, 3); break;
+        case 2: WIDE(2, 3); break;
+        default: WIDE(1, 3); break;
+        }
+    } else {
+        for (int c = 0; c < chans; c++)
+            for (int r = 0; r < rows; r++)
+                wide_tile(x + (size_t)r * k, k, 1, w + (size_t)c * k, 1, bias, y + (size_t)r * n,
+                          n, ch0 + c);
+    }
+#undef WIDE
+}
+
+/* Few rows: each weight byte is read once and turned into a float in registers. */
+TARGET static void narrow(const float *x, int m, int k, const uint8_t *q, const float *scale,
+                          const float *offset, int n, const float *bias, float *y)
+{
+    const int blocks = (n + BLOCK_N - 1) / BLOCK_N;
+#pragma omp parallel for schedule(static)
+    for (int b = 0; b < blocks; b++) {
+        const uint8_t *qb = q + (size_t)b * BLOCK_N * k;
+        const float *sb = scale + (size_t)b * BLOCK_N * (k / GROUP);
+        const float *mb = offset + (size_t)b * BLOCK_N * (k / GROUP);
+        for (int r0 = 0; r0 < m; r0 += TILE_M) {
+            const int rows = m - r0 < TILE_M ? m - r0 : TILE_M;
+            tile_rows(x + (size_t)r0 * k, k, rows, qb, sb, mb, bias, y + (size_t)r0 * n, n, b);
+        }
+    }
+}
+
+/* Many rows: a slab of channels is dequantized once, then every row passes over it. */
+TARGET static int wide(const float *x, int m, int k, const uint8_t *q, const float *scale,
+                       const float *offset, int n, const float *bias, float *y)
+{
+    const int slabs = (n + SLAB_N - 1) / SLAB_N;
+    int failed = 0;
+#pragma omp parallel reduction(|| : failed)
+    {
+        float *w = aligned_alloc(64, (size_t)SLAB_N * k * sizeof(float));
+        failed = w == NULL;
+#pragma omp for schedule(static)
+        for (int sl = 0; sl < slabs; sl++) {
+            if (!w)
+                continue;
+            const int ch0 = sl * SLAB_N, chans = n - ch0 < SLAB_N ? n - ch0 : SLAB_N;
+            for (int c = 0; c < chans; c++) {
+                const int ch = ch0 + c, b = ch / BLOCK_N;
+                dequantize(q + (size_t)b * BLOCK_N * k, scale + (size_t)b * BLOCK_N * (k / GROUP),
+                           offset + (size_t)b * BLOCK_N * (k / GROUP), k, ch % BLOCK_N,
+                           w + (size_t)c * k);
+            }
+            for (int r0 = 0; r0 < m; r0 += TILE_M) {
+                const int rows = m - r0 < TILE_M ? m - r0 : TILE_M;
+                for (int c0 = 0; c0 < chans; c0 += WIDE_N) {
+                    const int cc = chans - c0 < WIDE_N ? chans - c0 : WIDE_N;
+                    wide_rows(x + (size_t)r0 * k, k, rows, w + (size_t)c0 * k, cc, bias,
+                              y + (size_t)r0 * n, n, ch0 + c0);
+                }
+            }
+        }
+        free(w);
+    }
+    return failed;
+}
+
+/* linear(x, m, k, q, scale, offset, n, bias, y): addresses as ints, bias 0 for none. */
+static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "linear takes 9 arguments");
+        return NULL;
+    }
+    void *p[9];
+    for (int i = 0; i < 9; i++) {
+        p[i] = PyLong_AsVoidPtr(args[i]);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    const int m = (int)(intptr_t)p[1], k = (int)(intptr_t)p[2], n = (int)(intptr_t)p[6];
+    if (m < 0 || k <= 0 || k % GROUP || n <= 0) {
+        PyErr_SetString(PyExc_ValueError, "bad linear shape");
+        return NULL;
+    }
+    if (m == 0)
+        Py_RETURN_NONE;
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (m <= NARROW_ROWS)
+        narrow(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8]);
+    else
+        failed = wide(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8]);
+    Py_END_ALLOW_THREADS
+    if (failed)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* supported(): this CPU runs the kernel (AVX2 and FMA). */
+static PyObject *py_supported(PyObject *self, PyObject *unused)
+{
+    __builtin_cpu_init();
+    return PyBool_FromLong(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
+}
+
+static PyMethodDef methods[] = {
+    {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
+     "y = x @ W.T + b over packed grouped int8 weights (addresses as ints)."},
+    {"supported", py_supported, METH_NOARGS, "This CPU has AVX2 and FMA."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_w8_group",
+                                    "Weight-only grouped int8 linear on AVX2+FMA.", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__w8_group(void) { return PyModule_Create(&module); }
