@@ -64,12 +64,22 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def default_model_dir(cache_dir: Path | None = None) -> Path:
+    """Folder of the converted bundled model (it may not exist yet)."""
+    return (cache_dir or default_cache_dir()) / "models" / DEFAULT_MODEL_NAME
+
+
+def default_model_ready(cache_dir: Path | None = None) -> bool:
+    """Whether the bundled model is converted already (cheap: no torch, converts nothing)."""
+    return (default_model_dir(cache_dir) / _DONE_MARKER).is_file()
+
+
 def resolve_model(model: str | None, cache_dir: Path | None = None) -> str:
     """Return a path or id `from_pretrained` can load; converts the bundled model on first use."""
     if model:
         return model
-    out_dir = (cache_dir or default_cache_dir()) / "models" / DEFAULT_MODEL_NAME
-    if not (out_dir / _DONE_MARKER).is_file():
+    out_dir = default_model_dir(cache_dir)
+    if not default_model_ready(cache_dir):
         convert_gguf(bundled_gguf(), out_dir)
     return str(out_dir)
 

@@ -1,7 +1,7 @@
 """Transport selection: the per-peer rule (shm > rdma > tcp), RDMA discovery (pyverbs or the
 native probe; no device means one log line and shm/TCP), and forced transports that cannot be
 honoured failing clearly. No RDMA NIC can exist on these machines: the data path over RDMA is
-exercised on a cluster with NICs (README, "Transfer engine")."""
+exercised on a cluster with NICs (docs/transfer.md, "RDMA on a cluster with NICs")."""
 
 from __future__ import annotations
 
