@@ -3,8 +3,8 @@
 Weights are bytes in groups of 32 inputs, each group with its own scale and offset (w = s*q + m);
 activations stay float32 and are multiplied in float32. Decode steps read a quarter of float32's
 weight bytes, and the only rounding against the float32 mode is the weights', which for a model
-converted from a 4-bit GGUF (the bundled default) is one float32 rounding: its 16 levels per
-group land on exact byte levels. Every output is summed in one fixed order, so a row's result
+converted from a Q4_1/Q8_0 GGUF (the bundled default) is one float32 rounding: its levels land
+on exact byte levels. Every output is summed in one fixed order, so a row's result
 does not depend on the other rows of its call, the thread count, or which AVX2 CPU runs it.
 """
 
@@ -39,22 +39,43 @@ def w8_fits(linear: nn.Linear) -> bool:
 
 
 def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(levels uint8 [N, K], scale [N, K/32], offset [N, K/32]): w ~ scale * level + offset."""
+    """(levels uint8 [N, K], scale [N, K/32], offset [N, K/32]): w ~ scale * level + offset.
+
+    Each group takes the nearer of two grids: its range in 255 steps (exact for a 4-bit GGUF's
+    min + d * q groups) or +-max|w| in 127 steps around zero (exact for Q8_0's d * q groups;
+    the bundled model's embedding, and so its output projection, is Q8_0).
+    """
     n, k = weight.shape
     w = weight.detach().float().view(n, k // GROUP, GROUP)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scale = (hi - lo) / LEVELS
+    ranged = _grid(w, (hi - lo) / LEVELS, lo, 0, LEVELS)
+    step = w.abs().amax(dim=-1) / 127
+    centred = _grid(w, step, -128 * step, -127, 127, shift=128)
+    pick = (centred[3] < ranged[3])[..., None]
+    q = torch.where(pick, centred[0], ranged[0])
+    scale = torch.where(pick[..., 0], centred[1], ranged[1])
+    offset = torch.where(pick[..., 0], centred[2], ranged[2])
+    return q.to(torch.uint8).view(n, k), scale, offset
+
+
+def _grid(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, low: int, high: int,
+          shift: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, G, 32] on the grid scale * (level - shift) + offset' (levels as stored, scale,
+    offset, each group's worst error); `offset` is what the kernel adds, `low`/`high` bound
+    level - shift."""
     safe = torch.where(scale > 0, scale, 1.0)
-    q = torch.round((w - lo[..., None]) / safe[..., None]).clamp(0, LEVELS)
-    return q.to(torch.uint8).view(n, k), scale, lo
+    base = offset + shift * scale  # the grid's zero level
+    q = torch.round((w - base[..., None]) / safe[..., None]).clamp(low, high) + shift
+    rec = torch.addcmul(offset[..., None], q, scale[..., None])
+    return q, scale, offset, (rec - w).abs().amax(dim=-1)
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
     """The float32 weight the kernel multiplies by (for quality checks in torch)."""
-    q, scale, lo = quantize_groups(weight)
+    q, scale, offset = quantize_groups(weight)
     n, k = q.shape
     levels = q.view(n, k // GROUP, GROUP).float()
-    return torch.addcmul(lo[..., None], levels, scale[..., None]).view(n, k)
+    return torch.addcmul(offset[..., None], levels, scale[..., None]).view(n, k)
 
 
 class W8Linear(nn.Module):
@@ -67,7 +88,7 @@ class W8Linear(nn.Module):
         if not w8_fits(linear):
             raise ValueError(f"input width {linear.in_features} is not a multiple of {GROUP}")
         self.out_features, self.in_features = n, k = linear.weight.shape
-        q, scale, lo = quantize_groups(linear.weight)
+        q, scale, offset = quantize_groups(linear.weight)
         n_pad = -(-n // BLOCK_N) * BLOCK_N
         groups = k // GROUP
         q = _padded_rows(q, n_pad)
@@ -78,7 +99,7 @@ class W8Linear(nn.Module):
         # [N/2][K/32][2]: a group's scales (offsets) for the tile's two channels side by side
         self.register_buffer("scale", _by_block(_padded_rows(scale, n_pad), groups),
                              persistent=False)
-        self.register_buffer("offset", _by_block(_padded_rows(lo, n_pad), groups),
+        self.register_buffer("offset", _by_block(_padded_rows(offset, n_pad), groups),
                              persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias, persistent=False)
