@@ -28,6 +28,7 @@ MODES = {
     "float32": ["--dtype", "float32", "--quantization", "none"],
     "bfloat16": ["--dtype", "bfloat16", "--quantization", "none"],
     "int8": ["--dtype", "float32", "--quantization", "int8"],
+    "int8-weights": ["--dtype", "float32", "--quantization", "int8-weights"],
 }
 
 

@@ -200,9 +200,8 @@ def prepare_linears(model: nn.Module, dtype: torch.dtype, quantization: str,
     `quantization` "auto" (float32 only) gives every linear the kernel kernel_choice.py picks
     for `cpu` (default: this machine's).
     """
-    if quantization in ("auto", "int8-weights", "int8"):
-        if dtype != torch.float32:
-            raise ValueError(f"--quantization {quantization} needs float32 activations "
+    if quantization in ("auto", "int8-weights", "int8") and dtype != torch.float32:
+        raise ValueError(f"--quantization {quantization} needs float32 activations "
                              "(--dtype auto or float32)")
     if quantization == "auto":
         from mooncake_server.engine.kernel_choice import auto_kernel

@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
