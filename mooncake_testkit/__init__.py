@@ -7,4 +7,6 @@ One way per kind of server, each stoppable, and the OS processes killable and re
   `RoleCluster` (a conductor, or one already running, and any number of instances).
 - `launcher`: `start_cluster`, a `--role all` (or other single-process) tree as one `RoleProc`.
 - `ports`: free ports for all of them.
+- `quality`: scores a linear kernel against float32 on the shipped text (data/), for
+  scripts/bench_quality.py and tests/engine/test_quality.py.
 """
