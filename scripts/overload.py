@@ -48,17 +48,17 @@ class Outcome:
     retry_after: float | None = None  # seconds, from a 429's Retry-After header
     answered_s: float = 0.0  # time to the status line (a 429 arrives here)
     ttft_s: float | None = None
-    tbt_s: float | None = None  # mean of the longest 10% inter-token gaps
+    tbt_s: float | None = None  # mean of the longest 10% gaps after the second token
     tokens: int = 0
     complete: bool = False  # the stream ended with a finish reason
 
 
 def request_tbt(times: Sequence[float]) -> float | None:
-    """Mean of the longest 10% of a request's inter-token gaps (at least one gap), as the
-    conductor judges it (scheduler/outcomes.py)."""
+    """Mean of the longest 10% of a request's gaps after its second token (the gap before it is
+    the hand-off to decode), as the conductor judges it (scheduler/outcomes.py)."""
     from mooncake_server.roles.conductor.scheduler.outcomes import longest_tenth_mean
 
-    return longest_tenth_mean([b - a for a, b in itertools.pairwise(times)])
+    return longest_tenth_mean([b - a for a, b in itertools.pairwise(times[1:])])
 
 
 def percentile(values: Sequence[float], q: float) -> float:

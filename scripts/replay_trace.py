@@ -10,7 +10,8 @@ becomes a /v1/completions request with a token-id prompt: hash id h maps to `--b
 tokens, so requests sharing hash-id prefixes share exactly that token prefix, and the last block is
 cut to the scaled input length. Each asks for `output_length` tokens with `ignore_eos`, streamed.
 Arrivals keep the trace's gaps times `--time-scale`. Reported per configuration: TTFT and TBT
-p50/p90/p99 (a request's TBT = mean of its longest 10% inter-token gaps, as the paper), cache hit
+p50/p90/p99 (a request's TBT = mean of its longest 10% gaps between decode-made tokens, as the
+paper; the gap before the second token is the hand-off, held to TTFT + TBT), cache hit
 rate (usage.prompt_tokens_details.cached_tokens), prompt tokens computed and prefill seconds per
 request (scraped from launched prefill instances), rejections (429), errors, and effective request
 capacity: the share of requests answered within both SLOs. `--launch` starts each configuration
@@ -154,11 +155,18 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def request_tbt(token_times: Sequence[float]) -> float | None:
-    """Mean of the longest 10% of inter-token gaps (at least one gap); None below 2 tokens:
-    the conductor's own judgement of a request (scheduler/outcomes.py)."""
+    """Mean of the longest 10% of the gaps between tokens the decode made (at least one gap);
+    None below 3 tokens: the conductor's own judgement of a request (scheduler/outcomes.py).
+    The gap before the second token is the prefill -> decode hand-off, judged on its own
+    (`second_token_within`), as it is for every system replayed."""
     from mooncake_server.roles.conductor.scheduler.outcomes import longest_tenth_mean
 
-    return longest_tenth_mean([b - a for a, b in itertools.pairwise(token_times)])
+    return longest_tenth_mean([b - a for a, b in itertools.pairwise(token_times[1:])])
+
+
+def second_token_within(token_times: Sequence[float], ttft_slo: float, tbt_slo: float) -> bool:
+    """The second token (if any) came within TTFT + TBT SLOs of the request being sent."""
+    return len(token_times) < 2 or token_times[1] <= ttft_slo + tbt_slo
 
 
 @dataclass
@@ -185,9 +193,11 @@ class Summary:
 
 
 def within_slo(o: Outcome, ttft_slo: float, tbt_slo: float) -> bool:
-    """Answered, first token within the TTFT SLO, TBT (if it has one) within the TBT SLO."""
+    """Answered, first token within the TTFT SLO, second within TTFT + TBT, TBT (if it has
+    one) within the TBT SLO."""
     tbt = request_tbt(o.token_times)
     return (o.status == "ok" and o.ttft_s is not None and o.ttft_s <= ttft_slo
+            and second_token_within(o.token_times, ttft_slo, tbt_slo)
             and (tbt is None or tbt <= tbt_slo))
 
 

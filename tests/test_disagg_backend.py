@@ -177,7 +177,8 @@ async def test_max_tokens_one(backend: RequestPath, peers: Peers) -> None:
     assert peers.removed == ["tail-key"] and peers.decode_jobs == []
 
 
-@pytest.mark.parametrize(("status", "expected"), [(503, 503), (500, 502), (400, 400)])
+@pytest.mark.parametrize(("status", "expected"),
+                         [(503, 503), (500, 502), (400, 400), (429, 429)])
 async def test_prefill_failure(backend: RequestPath, peers: Peers, status: int,
                                expected: int) -> None:
     peers.prefill_status = status
@@ -185,6 +186,20 @@ async def test_prefill_failure(backend: RequestPath, peers: Peers, status: int,
             as info:
         await collect(backend, request())
     assert info.value.status == expected
+
+
+async def test_with_a_ttft_slo_the_job_says_when_it_must_start(registry: InstanceRegistry,
+                                                              peers: Peers) -> None:
+    """The prefill job carries its burst's order and the seconds left to start it within the
+    TTFT SLO: the prefill instance refuses it (429, above) once that has passed."""
+    peers.decode_lines = decode_lines([7, 8], "length")
+    config = ServerConfig(role="conductor", block_tokens=4, cluster_secret=SECRET,
+                          ttft_slo_s=5.0, tbt_slo_s=0.2)
+    async with httpx.AsyncClient(transport=peers) as http:
+        await collect(request_path(config, registry, http), request(max_tokens=3))
+    job = peers.prefill_jobs[0]
+    assert job.burst_at is not None and job.burst_rank == 0
+    assert job.start_within_s is not None and 4.0 < job.start_within_s < 5.0
 
 
 async def test_decode_error_event(backend: RequestPath, peers: Peers) -> None:

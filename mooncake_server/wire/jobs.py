@@ -87,6 +87,13 @@ class PrefillJob(BaseModel):
     # "local" = only blocks in its own paged pool, "global" = also fetch the rest of the cached
     # prefix from the store, "none" = compute every token.
     reuse: Reuse = "global"
+    # Its place in the instance's queue, decided by the conductor's burst admission: the
+    # burst's wall-clock time, then its rank in the burst (None: in order of arrival).
+    burst_at: float | None = None
+    burst_rank: int = 0
+    # Start it within this many seconds of its arrival or turn it away (429): later, it would
+    # miss its TTFT SLO. None: no deadline.
+    start_within_s: float | None = None
 
 
 class PrefillFirst(BaseModel):

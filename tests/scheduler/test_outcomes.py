@@ -8,6 +8,7 @@ import pytest
 from sched_helpers import Clock
 
 from mooncake_server.roles.conductor.scheduler.outcomes import (
+    SECOND_MISSED,
     TBT_MISSED,
     TTFT_MISSED,
     WITHIN,
@@ -47,6 +48,18 @@ def test_each_request_is_judged_against_the_slos_and_counted(
     assert outcomes.counts == {WITHIN: 2, TBT_MISSED: 1, TTFT_MISSED: 1}
     line = next(r.getMessage() for r in caplog.records if "two-slow" in r.getMessage())
     assert "TTFT 0.40 s (estimated 0.50)" in line and "TBT 300 ms (estimated 100 ms)" in line
+    assert list(outcomes.ratios["ttft"]) == pytest.approx([0.8, 0.8, 0.8, 3.0])
+
+
+def test_the_hand_off_is_time_to_the_second_token_not_a_tbt_gap() -> None:
+    """The gap before the second token is the KV hand-off: a slow one is judged against TTFT
+    + TBT (1.2 s here), never as a decode step."""
+    clock = Clock()
+    outcomes = RequestOutcomes(ttft_slo_s=1.0, tbt_slo_s=0.2, clock=clock)
+    assert run(outcomes, clock, "two-tokens", 0.4, [0.7]) == WITHIN  # second token at 1.1 s
+    assert run(outcomes, clock, "slow-hand-off", 0.4, [0.7] + [0.05] * 5) == WITHIN
+    assert run(outcomes, clock, "late-second", 0.4, [0.9] + [0.05] * 5) == SECOND_MISSED
+    assert outcomes.counts == {WITHIN: 2, SECOND_MISSED: 1}
 
 
 def test_a_request_that_never_got_a_token_is_not_judged() -> None:

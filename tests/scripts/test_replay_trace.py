@@ -84,12 +84,14 @@ def test_real_trace_prefix_sharing_is_preserved(rt: ModuleType) -> None:
 
 
 def test_tbt_is_the_mean_of_the_longest_tenth_of_gaps(rt: ModuleType) -> None:
-    times = [0.0]
-    for gap in [0.1] * 18 + [1.0, 2.0]:  # 20 gaps: the longest 10% are 2.0 and 1.0
+    times = [0.0, 0.9]  # the hand-off to decode, then 20 decode gaps
+    for gap in [0.1] * 18 + [1.0, 2.0]:  # the longest 10% are 2.0 and 1.0
         times.append(times[-1] + gap)
     assert rt.request_tbt(times) == pytest.approx(1.5)
-    assert rt.request_tbt([0.0, 0.3]) == pytest.approx(0.3)
-    assert rt.request_tbt([0.0]) is None
+    assert rt.request_tbt([0.0, 0.5, 0.8]) == pytest.approx(0.3)
+    assert rt.request_tbt([0.0, 0.3]) is None  # its only gap is the hand-off
+    assert rt.second_token_within([1.0, 1.4], ttft_slo=1.0, tbt_slo=0.5)
+    assert not rt.second_token_within([1.0, 1.6], ttft_slo=1.0, tbt_slo=0.5)
 
 
 def test_percentiles_interpolate(rt: ModuleType) -> None:
@@ -104,17 +106,19 @@ def test_summary_counts_slo_attainment_rejections_and_hits(rt: ModuleType) -> No
     outcomes = [
         O("ok", ttft_s=0.5, token_times=[0.5, 0.6, 0.7], prompt_tokens=100, cached_tokens=50),
         O("ok", ttft_s=3.0, token_times=[3.0, 3.1], prompt_tokens=100, cached_tokens=0),  # TTFT
-        O("ok", ttft_s=0.2, token_times=[0.2, 1.2], prompt_tokens=100, cached_tokens=50),  # TBT
+        O("ok", ttft_s=0.2, token_times=[0.2, 0.4, 1.4], prompt_tokens=100,  # TBT
+          cached_tokens=50),
+        O("ok", ttft_s=0.2, token_times=[0.2, 1.8], prompt_tokens=100),  # second token
         O("rejected"),
         O("error", error="boom"),
     ]
     s = rt.summarize(outcomes, ttft_slo=1.0, tbt_slo=0.5)
-    assert (s.requests, s.ok, s.rejected, s.errors) == (5, 3, 1, 1)
-    assert s.cache_hit_rate == pytest.approx(100 / 300)
-    assert s.computed_tokens_per_request == pytest.approx(200 / 3)
-    assert s.within_slo == pytest.approx(1 / 5)
-    assert s.accepted_within_slo == pytest.approx(1 / 4)
-    assert s.ttft_p50 == pytest.approx(0.5)
+    assert (s.requests, s.ok, s.rejected, s.errors) == (6, 4, 1, 1)
+    assert s.cache_hit_rate == pytest.approx(100 / 400)
+    assert s.computed_tokens_per_request == pytest.approx(300 / 4)
+    assert s.within_slo == pytest.approx(1 / 6)
+    assert s.accepted_within_slo == pytest.approx(1 / 5)
+    assert s.ttft_p50 == pytest.approx(0.35)
 
 
 async def test_send_reads_a_stream_and_recognises_429(rt: ModuleType) -> None:

@@ -43,7 +43,8 @@ from mooncake_server.roles.conductor.registry import (
     registry_router,
 )
 from mooncake_server.roles.conductor.request_path import RequestPath
-from mooncake_server.roles.conductor.scheduler import build_scheduler, load_perf_model
+from mooncake_server.cost_model.loading import load_perf_model
+from mooncake_server.roles.conductor.scheduler import build_scheduler
 from mooncake_server.roles.conductor.scheduler.local_index import (
     LocalCacheIndex,
     local_cache_router,
@@ -161,7 +162,8 @@ class Conductor:
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=128),
         ) as http:
             if not config.profile_path:  # size the built-in model's KV bytes to this model
-                self.scheduler.model = load_perf_model(config, hf_config)
+                self.scheduler.model = load_perf_model(config.profile_path, config.block_tokens,
+                                                       config.dtype, hf_config)
             self.path = RequestPath(config, self.registry, http, self.scheduler,
                                     self.store_master)
             app.state.backend = self.path

@@ -29,12 +29,12 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CollectorRegistry, Counter
 
 from mooncake_server.config import ServerConfig
+from mooncake_server.cost_model.loading import load_perf_model
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
 from mooncake_server.engine.sequence import SeqStatus, Sequence
 from mooncake_server.instance.app import Starting, instance_app
 from mooncake_server.instance.engine_role import instance_id, start_engine
-from mooncake_server.roles.conductor.scheduler import load_perf_model
 from mooncake_server.roles.decode.admission import AdmissionRefused, DecodeAdmission
 from mooncake_server.roles.decode.writeback import BlockWriteBack, WriteBackLoop, WriteBackMetrics
 from mooncake_server.store_client.client import StoreError
@@ -297,6 +297,7 @@ def _heartbeat(iid: str, loop: WriteBackLoop, free_blocks: int,
 
 def _admission(config: ServerConfig, total_blocks: int, max_model_len: int) -> DecodeAdmission:
     """Admission control over this instance's pool; TBT checked only with --tbt-slo."""
-    model = load_perf_model(config) if config.tbt_slo_s is not None else None
+    model = (load_perf_model(config.profile_path, config.block_tokens, config.dtype)
+             if config.tbt_slo_s is not None else None)
     return DecodeAdmission(total_blocks, config.block_tokens, max_model_len, model=model,
                            tbt_slo_s=config.tbt_slo_s)

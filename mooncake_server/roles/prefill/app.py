@@ -19,12 +19,13 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
 from mooncake_server.config import ServerConfig
+from mooncake_server.cost_model.loading import load_perf_model
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.instance.app import Starting, instance_app
 from mooncake_server.instance.engine_role import instance_id, start_engine
-from mooncake_server.roles.conductor.scheduler import load_perf_model
 from mooncake_server.roles.prefill.cache_report import CacheReporter
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
+from mooncake_server.roles.prefill.job_queue import LateForSLO
 from mooncake_server.roles.prefill.worker import PrefillMetrics, PrefillWorker
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.wire.auth import require_secret
@@ -56,7 +57,8 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     async def start(starting: Starting) -> None:
         parts = await start_engine(starting, "prefill")
-        model = load_perf_model(config) if config.tbt_slo_s is not None else None
+        model = (load_perf_model(config.profile_path, config.block_tokens, config.dtype)
+                 if config.tbt_slo_s is not None else None)
         chunks = ChunkBudget(config.decode_chunk_tokens, model, config.tbt_slo_s)
         worker = PrefillWorker(parts.runner, parts.link, parts.executor, config,
                                parts.info.max_model_len, state.metrics, chunks)
@@ -110,7 +112,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         exc = None if running.cancelled() else running.exception()
         label = ("ok" if exc is None and not running.cancelled() else
                  "no_kv_memory" if isinstance(exc, OutOfBlocks) else
-                 "store_error" if isinstance(exc, StoreError) else "failed")
+                 "store_error" if isinstance(exc, StoreError) else
+                 "late" if isinstance(exc, LateForSLO) else "failed")
         state.metrics.jobs.labels(label).inc()
 
     return app
@@ -124,6 +127,8 @@ def _result_or_status(running: asyncio.Future[PrefillResult]) -> PrefillResult:
         raise HTTPException(503, f"prefill KV cache full: {exc}") from exc
     except StoreError as exc:
         raise HTTPException(503, f"store transfer failed: {exc}") from exc
+    except LateForSLO as exc:
+        raise HTTPException(429, str(exc)) from exc
 
 
 def _line(event: BaseModel) -> bytes:

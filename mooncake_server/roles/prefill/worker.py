@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from mooncake_server.engine.sequence import Sequence
 from mooncake_server.roles.prefill.cache_report import CacheReporter
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
 from mooncake_server.roles.prefill.handoff_hold import HandoffHold
+from mooncake_server.roles.prefill.job_queue import JobQueue, LateForSLO
 from mooncake_server.roles.prefill.kv_stream import LayerStream
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 from mooncake_server.store_client.client import StoreError
@@ -116,11 +116,16 @@ class _Task:
     stream: LayerStream | None = None
     started: float = 0.0
     queued_at: float = field(default_factory=time.perf_counter)
+    queued_wall: float = field(default_factory=time.time)
     passes: int = 0  # forward passes that computed some of its prompt
     compute_s: float = 0.0  # their compute time
     wait_s: float = 0.0  # their waits for the cores (a decode's steps beside them)
     # Told the first tokens the moment the prompt is computed, before the store writes.
     on_first: Callable[[PrefillFirst], None] | None = None
+
+    def gone(self) -> bool:
+        """Its caller went away while it waited."""
+        return self.done.done()
 
 
 class PrefillWorker:
@@ -139,7 +144,7 @@ class PrefillWorker:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.reporter: CacheReporter | None = None  # set once the conductor is known
-        self._queue: deque[_Task] = deque()
+        self._queue = JobQueue()
         self._serving: asyncio.Task[None] | None = None
         self.queued = 0
         self._answered_at = float("-inf")  # monotonic time jobs were last handed on
@@ -152,7 +157,7 @@ class PrefillWorker:
         task = _Task(job, asyncio.get_running_loop().create_future(), on_first=on_first)
         self.queued += 1
         self.runner.cores.set_active(True)
-        self._queue.append(task)
+        self._queue.push(task)
         if self._serving is None or self._serving.done():
             # NOTE: the queue is served by its own task: a caller that goes away (its request
             # cancelled) must not stop the pass computing the others' jobs.
@@ -178,21 +183,18 @@ class PrefillWorker:
                 await self._fail_all(batch, exc)
 
     def _take_batch(self) -> list[_Task]:
-        """The oldest job, and those after it whose prompts fit in the same chunk."""
-        budget = self._chunk_tokens()
-        batch: list[_Task] = []
-        tokens = 0
-        while self._queue:
-            task = self._queue[0]
-            if task.done.done():  # its caller went away while it waited
-                self._queue.popleft()
-                continue
-            n = len(task.job.prompt_token_ids)
-            if batch and tokens + n > budget:
-                break
-            batch.append(self._queue.popleft())
-            tokens += n
-        return batch
+        """The next job in the admission's order, and those after it whose prompts fit in the
+        same chunk; jobs that waited past their start deadline are refused (429)."""
+        batch, late = self._queue.take(self._chunk_tokens())
+        for task in late:
+            assert isinstance(task, _Task)
+            waited = time.perf_counter() - task.queued_at
+            log.info("refusing %s: waited %.2f s, past the %.2f s its TTFT SLO allowed",
+                     task.job.request_id, waited, task.job.start_within_s)
+            self._fail(task, LateForSLO(
+                f"prefill could not start within {task.job.start_within_s:.2f} s "
+                f"(waited {waited:.2f} s): it would miss its TTFT SLO"))
+        return [t for t in batch if isinstance(t, _Task)]
 
     async def _run_batch(self, batch: list[_Task]) -> None:
         """Prepare the batch, then step it; each job is answered once its prompt is computed."""

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mooncake_server.roles.conductor.scheduler.outcomes import TBT_MISSED, TTFT_MISSED, WITHIN
+from mooncake_server.roles.conductor.scheduler.outcomes import RECENT_RATIOS, VERDICTS
 from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler
 
 
@@ -32,10 +32,17 @@ class SchedulerCollector(Collector):
         yield in_flight
         outcomes = CounterMetricFamily(
             "mooncake_scheduler_outcomes", "Placed requests by what they got against the SLOs "
-            "(TBT: the mean of a request's longest tenth of token gaps)", labels=["outcome"])
-        for outcome in (WITHIN, TTFT_MISSED, TBT_MISSED):
+            "(TBT: the mean of a request's longest tenth of token gaps after the second)",
+            labels=["outcome"])
+        for outcome in VERDICTS:
             outcomes.add_metric([outcome], s.outcomes.counts[outcome])
         yield outcomes
+        yield from _ratio_quantiles(s)
+        bursts = CounterMetricFamily("mooncake_scheduler_bursts",
+                                     "Admission decisions (each over the requests that arrived "
+                                     "together)")
+        bursts.add_metric([], s.gate.bursts)
+        yield bursts
         queue = GaugeMetricFamily("mooncake_scheduler_prefill_queue_seconds",
                                   "Estimated wait before a prefill instance starts a new job",
                                   labels=["instance"])
@@ -43,3 +50,17 @@ class SchedulerCollector(Collector):
             queue.add_metric([info.instance_id], s.tracker.prefill_queue_s(
                 info.instance_id, s.registry.load(info.instance_id)))
         yield queue
+
+
+def _ratio_quantiles(s: KVCacheScheduler) -> Iterator[Metric]:
+    """Measured / estimated TTFT and TBT over the recent finished requests: p50, p90."""
+    for key in ("ttft", "tbt"):
+        family = GaugeMetricFamily(
+            f"mooncake_scheduler_{key}_measured_over_estimated",
+            f"Measured / estimated {key.upper()} of the last {RECENT_RATIOS} finished requests "
+            "(1.0: admission promised what they got)", labels=["quantile"])
+        ratios = sorted(s.outcomes.ratios[key])
+        for q in (0.5, 0.9):
+            if ratios:
+                family.add_metric([f"{q:g}"], ratios[min(len(ratios) - 1, int(q * len(ratios)))])
+        yield family

@@ -3,9 +3,12 @@
 One log line per request when it ends (estimated and measured TTFT and TBT) and counters of the
 requests within both SLOs or over one: an estimate under the SLO with a measurement over it is a
 misjudged admission, both over it an overload, and only the two side by side tell them apart.
-TBT is the paper's (and the replay scripts'): the mean of the request's longest tenth of gaps.
+TBT is the paper's (and the replay scripts'): the mean of the request's longest tenth of gaps
+between tokens the decode made; the gap before the second token is the hand-off from prefill to
+decode (KV load, joining the batch), judged as time to the second token against TTFT + TBT.
 TTFT is from placement to the first token, so it leaves out the HTTP and tokenizer time a
-client also sees.
+client also sees. Measured / estimated TTFT and TBT of every request are kept (`ratios`) for
+/metrics: a scheduler that promises what it then misses shows there before its clients see it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +24,11 @@ log = logging.getLogger(__name__)
 
 WITHIN = "within"
 TTFT_MISSED = "ttft_missed"
+SECOND_MISSED = "second_token_missed"  # the hand-off made the second token later than TTFT + TBT
 TBT_MISSED = "tbt_missed"
+VERDICTS = (WITHIN, TTFT_MISSED, SECOND_MISSED, TBT_MISSED)
+# Measured / estimated ratios kept for /metrics' quantiles.
+RECENT_RATIOS = 1024
 
 
 def longest_tenth(gaps: int) -> int:
@@ -44,8 +51,9 @@ class _Timing:
     ttft_estimate_s: float
     tbt_estimate_s: float
     first_at: float | None = None
+    second_at: float | None = None
     last_at: float | None = None
-    gaps: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # after the second token
 
 
 class RequestOutcomes:
@@ -57,7 +65,10 @@ class RequestOutcomes:
         self.tbt_slo_s = tbt_slo_s
         self._clock = clock
         self._timings: dict[str, _Timing] = {}
-        self.counts: Counter[str] = Counter()  # WITHIN / TTFT_MISSED / TBT_MISSED
+        self.counts: Counter[str] = Counter()  # VERDICTS
+        # measured / estimated, per finished request: "ttft", "tbt"
+        self.ratios: dict[str, deque[float]] = {k: deque(maxlen=RECENT_RATIOS)
+                                                for k in ("ttft", "tbt")}
 
     def placed(self, request_id: str, ttft_estimate_s: float, tbt_estimate_s: float) -> None:
         """The scheduler placed the request with these estimates."""
@@ -75,7 +86,10 @@ class RequestOutcomes:
         if t is None or t.last_at is None:
             return
         now = self._clock()
-        t.gaps.append(now - t.last_at)
+        if t.second_at is None:
+            t.second_at = now
+        else:
+            t.gaps.append(now - t.last_at)
         t.last_at = now
 
     def finished(self, request_id: str) -> str | None:
@@ -84,16 +98,28 @@ class RequestOutcomes:
         if t is None or t.first_at is None:
             return None
         ttft = t.first_at - t.placed_at
+        second = None if t.second_at is None else t.second_at - t.placed_at
         tbt = longest_tenth_mean(t.gaps)
-        if self.ttft_slo_s is not None and ttft > self.ttft_slo_s:
-            verdict = TTFT_MISSED
-        elif self.tbt_slo_s is not None and tbt is not None and tbt > self.tbt_slo_s:
-            verdict = TBT_MISSED
-        else:
-            verdict = WITHIN
+        verdict = self._verdict(ttft, second, tbt)
         self.counts[verdict] += 1
+        for key, measured, estimated in (("ttft", ttft, t.ttft_estimate_s),
+                                         ("tbt", tbt, t.tbt_estimate_s)):
+            if measured is not None and estimated > 0:
+                self.ratios[key].append(measured / estimated)
         measured_tbt = f"{tbt * 1000:.0f} ms" if tbt is not None else "-"
-        log.info("finished %s (%d tokens): TTFT %.2f s (estimated %.2f), TBT %s (estimated "
-                 "%.0f ms): %s", request_id, len(t.gaps) + 1, ttft, t.ttft_estimate_s,
-                 measured_tbt, t.tbt_estimate_s * 1000, verdict)
+        measured_second = f"{second:.2f} s" if second is not None else "-"
+        log.info("finished %s (%d tokens): TTFT %.2f s (estimated %.2f), second token %s, TBT %s "
+                 "(estimated %.0f ms): %s", request_id, len(t.gaps) + 1 + (second is not None),
+                 ttft, t.ttft_estimate_s, measured_second, measured_tbt,
+                 t.tbt_estimate_s * 1000, verdict)
         return verdict
+
+    def _verdict(self, ttft: float, second: float | None, tbt: float | None) -> str:
+        if self.ttft_slo_s is not None and ttft > self.ttft_slo_s:
+            return TTFT_MISSED
+        if (self.ttft_slo_s is not None and self.tbt_slo_s is not None and second is not None
+                and second > self.ttft_slo_s + self.tbt_slo_s):
+            return SECOND_MISSED
+        if self.tbt_slo_s is not None and tbt is not None and tbt > self.tbt_slo_s:
+            return TBT_MISSED
+        return WITHIN

@@ -10,7 +10,11 @@ policy picks the pair (paper Fig. 5 ablation):
   cache-global  lowest TTFT counting the global store too: an instance that lacks the prefix
                 fetches it when that beats recomputing (cache load balancing, §4.2).
 If `--ttft-slo` / `--tbt-slo` cannot be met by the chosen pair, the request is rejected at once
-(HTTP 429 + Retry-After) instead of queueing behind work that would break its SLO.
+(HTTP 429 + Retry-After) instead of queueing behind work that would break its SLO. With SLOs,
+requests that arrive together are decided together, cheapest first (burst.py); each accepted
+one's prefill must start by a deadline (`Plan.start_by`), or the prefill instance turns it away
+with 429 before computing it. TBT is the decode's steady steps; the hand-off from prefill to
+decode (KV load, joining the batch) is time to the second token, budgeted as TTFT + TBT.
 The plan also says what the prefill instance may reuse (`PrefillJob.reuse`): `global` (fetch the
 prefix it lacks from the store) only under cache-global when the estimate chose fetching;
 otherwise `local`, the blocks in its own prefix cache. A decode instance that refuses the request
@@ -26,12 +30,14 @@ import enum
 import logging
 import math
 import random
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from mooncake_server.api.backend import BackendError, GenerateRequest
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.roles.conductor.scheduler.burst import BURST_WINDOW_S, BurstGate, Order
 from mooncake_server.roles.conductor.scheduler.estimators import (
     Passes,
     PrefillEstimate,
@@ -45,25 +51,15 @@ from mooncake_server.roles.conductor.scheduler.oracle import (
     NoPrefixOracle,
     PrefixOracle,
 )
-from mooncake_server.roles.conductor.scheduler.outcomes import RequestOutcomes, longest_tenth
+from mooncake_server.roles.conductor.scheduler.outcomes import RequestOutcomes
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 from mooncake_server.wire.jobs import Reuse
 
 log = logging.getLogger(__name__)
 
 _MAX_RETRY_AFTER_S = 60.0
-
-
-def judged_tbt(steady_s: float, handoff_s: float, max_tokens: int) -> float:
-    """The request's TBT as the SLO judges it: the mean of its longest 10% of token gaps.
-
-    Its gaps are one hand-off from prefill and steady steps (`steady_s` is their slow tail).
-    Judging by the single worst gap instead rejected, under load, requests whose longest tenth
-    of gaps met the SLO: one slow hand-off in 60 gaps moves that mean by a sixth of its excess.
-    """
-    worst = max(steady_s, handoff_s)
-    k = longest_tenth(max_tokens - 1)  # gaps judged, as clients count them
-    return (worst + (k - 1) * steady_s) / k
+# Token gaps a request's hand-off is spread over when decode instances are ranked.
+_RANK_GAPS = 8
 
 
 class Policy(str, enum.Enum):
@@ -92,12 +88,17 @@ class Plan(NamedTuple):
     tbt_s: float
     reuse: Reuse = "local"  # PrefillJob.reuse: local | global
     cached_blocks: int = 0  # leading prompt blocks the global store holds (STORE_WIDE hits)
+    order: Order | None = None  # its place in the prefill queue (decided in a burst)
+    # With --ttft-slo: the time.monotonic() by which its prefill must start to meet it (real
+    # time, whatever clock the ledger runs on: the request path compares it with the wall).
+    start_by: float | None = None
 
 
 class _DecodeChoice(NamedTuple):
     info: InstanceInfo
     tbt_s: float
     fits: bool  # its KV memory can hold the request now
+    handoff_s: float = 0.0  # from its first token (prefill) to its second (this decode)
 
 
 class KVCacheScheduler:
@@ -107,7 +108,8 @@ class KVCacheScheduler:
                  policy: Policy | str = Policy.CACHE_GLOBAL, block_tokens: int,
                  oracle: PrefixOracle | None = None, ttft_slo_s: float | None = None,
                  tbt_slo_s: float | None = None, tracker: LoadTracker | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None,
+                 burst_window_s: float = BURST_WINDOW_S) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
         self.registry = registry
@@ -123,15 +125,31 @@ class KVCacheScheduler:
         self.rejected = 0
         self.outcomes = RequestOutcomes(ttft_slo_s, tbt_slo_s)
         self._rng = rng or random.Random()
+        self.gate: BurstGate[tuple[GenerateRequest, dict[str, int]], Plan | None] = BurstGate(
+            lambda item, order: self._place(*item, order=order), window_s=burst_window_s)
 
     # ---- Algorithm 1 --------------------------------------------------------------------------
 
     async def plan(self, request: GenerateRequest, keys: Sequence[str]) -> Plan | None:
         """Place `request` (one oracle query), record it in the ledger; None if a role is missing.
 
-        Raises SLORejected when the SLOs cannot be met.
+        With SLOs it is decided in its burst (cheapest first). Raises SLORejected when the SLOs
+        cannot be met.
         """
         hits = await self.oracle.longest_prefix(keys) if keys else {}
+        if self.ttft_slo_s is None and self.tbt_slo_s is None:
+            return self._place(request, hits)
+        return await self.gate.admit((request, hits), self._uncached_tokens(request, hits))
+
+    def _uncached_tokens(self, request: GenerateRequest, hits: dict[str, int]) -> int:
+        """The prompt tokens its best-placed prefill would compute: its cost in a burst."""
+        n = len(request.prompt_token_ids)
+        cap = reusable_blocks(n, self.block_tokens)
+        return n - min(max(hits.values(), default=0), cap) * self.block_tokens
+
+    def _place(self, request: GenerateRequest, hits: dict[str, int],
+               order: Order | None = None) -> Plan | None:
+        """Decide, then record the placement in the ledger."""
         plan = self.decide(request, hits)
         if plan is not None:
             est = plan.prefill_estimate
@@ -141,6 +159,9 @@ class KVCacheScheduler:
                                 plan.decode.instance_id, len(request.prompt_token_ids),
                                 own_split=est.split)
             self.outcomes.placed(request.request_id, est.ttft_s, plan.tbt_s)
+            start_by = (None if self.ttft_slo_s is None else
+                        time.monotonic() + self.ttft_slo_s - est.compute_s - est.transfer_s)
+            plan = plan._replace(order=order, start_by=start_by)
         return plan
 
     def decide(self, request: GenerateRequest, hits: dict[str, int]) -> Plan | None:
@@ -181,7 +202,10 @@ class KVCacheScheduler:
             return min(choices, key=lambda c: (
                 self.tracker.decode_load(c.info.instance_id).batch, c.info.instance_id))
         fitting = [c for c in choices if c.fits] or choices
-        return min(fitting, key=lambda c: (c.tbt_s, c.info.instance_id))
+        # Steady steps first; between equal ones, the faster hand-off. A slow hand-off (a
+        # cold start's, say) spreads over the request's gaps: rank by their mean.
+        return min(fitting, key=lambda c: (c.tbt_s + c.handoff_s / _RANK_GAPS,
+                                           c.info.instance_id))
 
     def _busiest_decode_step(self, decodes: list[InstanceInfo]) -> float:
         """The longest decode step now, as each decode instance runs its own (0.0 when every
@@ -248,10 +272,9 @@ class KVCacheScheduler:
         wait = (beat.wait_s or 0.0) if beat is not None else 0.0
         steady = own + wait
         handoff = max(HANDOFF_STEPS * own, self.tracker.handoff_s(iid))
-        tbt = judged_tbt(steady, handoff, request.sampling.max_tokens)
         need = -(-(n + request.sampling.max_tokens) // self.block_tokens)
         fits = beat is None or beat.free_blocks is None or beat.free_blocks >= need
-        return _DecodeChoice(info, tbt, fits)
+        return _DecodeChoice(info, steady, fits, handoff)
 
     def _check_slos(self, request: GenerateRequest, best_p: PrefillEstimate,
                     best_d: _DecodeChoice) -> None:
@@ -267,6 +290,14 @@ class KVCacheScheduler:
                     f"{self.tbt_slo_s * 1000:g} ms SLO (--tbt-slo)" if best_d.fits
                     else "no decode instance has KV memory for it")
             problems.append(what)
+        if (self.ttft_slo_s is not None and self.tbt_slo_s is not None
+                and request.sampling.max_tokens > 1 and not problems):
+            # The second token comes after the hand-off: its budget is one TTFT and one TBT.
+            second = best_p.ttft_s + best_d.handoff_s
+            if second > self.ttft_slo_s + self.tbt_slo_s:
+                problems.append(f"estimated time to the second token {second:.2f} s exceeds "
+                                f"the TTFT + TBT SLOs ({self.ttft_slo_s + self.tbt_slo_s:g} s)")
+                retry = max(retry, second - self.ttft_slo_s - self.tbt_slo_s)
         if not problems:
             return
         self.rejected += 1

@@ -1,0 +1,77 @@
+"""The prefill instance's queue: served in the admission's order, late jobs turned away."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mooncake_server.roles.prefill.job_queue import JobQueue
+from mooncake_server.wire.jobs import PrefillJob, SamplingParams
+
+
+@dataclass
+class Task:
+    job: PrefillJob
+    queued_at: float
+    queued_wall: float
+    cancelled: bool = False
+
+    def gone(self) -> bool:
+        return self.cancelled
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def task(rid: str, tokens: int, *, at: float = 0.0, burst_at: float | None = None,
+         rank: int = 0, within: float | None = None, wall: float = 1000.0) -> Task:
+    job = PrefillJob(request_id=rid, prompt_token_ids=[1] * tokens, block_keys=[],
+                     sampling=SamplingParams(max_tokens=4), burst_at=burst_at, burst_rank=rank,
+                     start_within_s=within)
+    return Task(job, 50.0 + at, wall)
+
+
+def ids(tasks: list) -> list[str]:  # type: ignore[type-arg]
+    return [t.job.request_id for t in tasks]
+
+
+def test_a_burst_is_served_by_rank_and_earlier_bursts_first() -> None:
+    """The jobs of one burst reach the instance in any order (each after its own decode
+    reservation); they run by rank, and a later burst waits for the earlier one."""
+    q = JobQueue(Clock())
+    for t in (task("later", 10, burst_at=2000.0), task("b-rank2", 300, burst_at=1000.0, rank=2),
+              task("b-rank0", 100, burst_at=1000.0, rank=0),
+              task("b-rank1", 200, burst_at=1000.0, rank=1)):
+        q.push(t)
+    assert ids(q.take(budget_tokens=300)[0]) == ["b-rank0", "b-rank1"]  # 300 tokens: one chunk
+    assert ids(q.take(budget_tokens=300)[0]) == ["b-rank2"]
+    assert ids(q.take(budget_tokens=300)[0]) == ["later"]
+    assert len(q) == 0
+
+
+def test_a_job_past_its_start_deadline_is_set_aside_before_any_work() -> None:
+    """Reconsidered when its turn comes: a job that waited longer than its TTFT SLO allowed is
+    handed back as late (the worker answers 429), the next one runs."""
+    clock = Clock()
+    q = JobQueue(clock)
+    q.push(task("late", 100, burst_at=1.0, within=0.5))
+    q.push(task("on-time", 100, burst_at=2.0, within=5.0))
+    q.push(task("no-deadline", 100, burst_at=3.0))
+    clock.now += 0.6
+    batch, late = q.take(budget_tokens=1000)
+    assert ids(late) == ["late"] and ids(batch) == ["on-time", "no-deadline"]
+
+
+def test_jobs_without_an_order_run_in_arrival_order_and_cancelled_ones_are_dropped() -> None:
+    q = JobQueue(Clock())
+    first, gone, second = task("first", 10, wall=1.0), task("gone", 10, wall=2.0), \
+        task("second", 10, wall=3.0)
+    gone.cancelled = True
+    for t in (second, gone, first):
+        q.push(t)
+    batch, late = q.take(budget_tokens=1000)
+    assert ids(batch) == ["first", "second"] and late == []

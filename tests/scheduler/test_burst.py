@@ -1,0 +1,137 @@
+"""Admission per burst: requests that arrive together are decided together, cheapest first,
+and no request is refused by a cluster that could serve it alone."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from sched_helpers import BT, MODEL, Clock, cluster, request
+
+from mooncake_server.roles.conductor.scheduler.load import LoadTracker
+from mooncake_server.roles.conductor.scheduler.oracle import STORE_WIDE
+from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler, Plan, SLORejected
+
+
+class Hits:
+    """A prefix oracle answering per request from a table keyed by the request's first key."""
+
+    def __init__(self, table: dict[str, int]) -> None:
+        self.table = table
+
+    async def longest_prefix(self, keys: list[str]) -> dict[str, int]:
+        return {STORE_WIDE: self.table.get(keys[0], 0)} if keys else {}
+
+
+def scheduler(clock: Clock, *, ttft_slo: float | None = 1.0, tbt_slo: float | None = None,
+              hits: dict[str, int] | None = None) -> KVCacheScheduler:
+    # The scripted cost model: 1 ms per prompt token + 10 ms per pass, 20 + 5 ms per step.
+    return KVCacheScheduler(cluster(1, 1, clock=clock), MODEL, block_tokens=BT,
+                            oracle=Hits(hits or {}), ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
+                            tracker=LoadTracker(clock), rng=random.Random(0),
+                            burst_window_s=0.0)
+
+
+def keys(rid: str, n_tokens: int) -> list[str]:
+    return [f"{rid}-k{i}" for i in range(n_tokens // BT)]
+
+
+async def burst(s: KVCacheScheduler, prompts: dict[str, int],
+                ) -> dict[str, Plan | BaseException | None]:
+    """Send the prompts at once; each one's plan or rejection."""
+    outcomes = await asyncio.gather(*(s.plan(request(rid, n), keys(rid, n))
+                                      for rid, n in prompts.items()), return_exceptions=True)
+    return dict(zip(prompts, outcomes))
+
+
+async def test_a_burst_is_decided_at_once_cheapest_first() -> None:
+    """Judged in arrival order, the 800-token prompt would go first and only two of five would
+    meet a 1 s TTFT; decided together, the three cheapest do, in the order the prefill serves."""
+    s = scheduler(Clock())
+    got = await burst(s, {"a800": 800, "b100": 100, "c300": 300, "d500": 500, "e200": 200})
+    accepted = {rid: p for rid, p in got.items() if isinstance(p, Plan)}
+    assert set(accepted) == {"b100", "e200", "c300"}
+    assert all(isinstance(got[rid], SLORejected) for rid in ("a800", "d500"))
+    assert "estimated TTFT" in str(got["d500"])
+    orders = {rid: p.order for rid, p in accepted.items()}
+    assert [orders[r].rank for r in ("b100", "e200", "c300")] == [0, 1, 2]
+    assert len({o.burst_at for o in orders.values() if o}) == 1 and s.gate.bursts == 1
+    # Each estimate counts the cheaper ones placed before it: 110, 110 + 210, + 310 ms.
+    ttfts = [accepted[r].prefill_estimate.ttft_s for r in ("b100", "e200", "c300")]
+    assert ttfts == pytest.approx([0.11, 0.32, 0.63])
+    # The deadline to start: the SLO less its own compute, from placement.
+    c300 = accepted["c300"]
+    assert c300.start_by is not None
+
+
+async def test_the_cost_is_the_uncached_work() -> None:
+    """A long prompt whose prefix the store holds is cheap: it goes before a short uncached one."""
+    s = scheduler(Clock(), hits={"long-k0": 40})  # 640 of its 656 tokens cached
+    got = await burst(s, {"short": 200, "long": 656})
+    assert isinstance(got["short"], Plan) and isinstance(got["long"], Plan)
+    assert got["long"].order.rank == 0 and got["short"].order.rank == 1  # type: ignore[union-attr]
+
+
+async def test_a_later_burst_queues_behind_the_earlier_one() -> None:
+    """Earliest deadline across bursts: the second burst's estimates count the first's work."""
+    s = scheduler(Clock())
+    first = await burst(s, {"x": 400})
+    second = await burst(s, {"y": 100})
+    x, y = first["x"], second["y"]
+    assert isinstance(x, Plan) and isinstance(y, Plan)
+    assert y.prefill_estimate.queue_s == pytest.approx(0.41)
+    assert x.order.burst_at <= y.order.burst_at and s.gate.bursts == 2  # type: ignore[union-attr]
+
+
+async def test_no_slo_flags_no_gathering() -> None:
+    """Without SLOs nothing is refused, so nothing waits for a burst to gather."""
+    s = scheduler(Clock(), ttft_slo=None)
+    got = await burst(s, {"a": 800, "b": 100})
+    assert all(isinstance(p, Plan) and p.order is None and p.start_by is None
+               for p in got.values())
+    assert s.gate.bursts == 0
+
+
+async def test_an_idle_cluster_accepts_whatever_fits_alone() -> None:
+    """Fresh start, no measurement: every request that meets the SLOs alone is accepted."""
+    s = scheduler(Clock(), ttft_slo=5.0, tbt_slo=0.2)
+    for i, n in enumerate((2, 100, 2000, 4000)):
+        got = await burst(s, {f"r{i}": n})
+        assert isinstance(got[f"r{i}"], Plan)
+        s.release(f"r{i}")
+
+
+async def test_no_429_after_a_burst_of_rejections() -> None:
+    """Rejected requests leave nothing in the ledger: once the accepted work is done, the idle
+    cluster accepts again at once."""
+    clock = Clock()
+    s = scheduler(clock, ttft_slo=1.0, tbt_slo=0.2)
+    got = await burst(s, {f"r{i}": 600 for i in range(10)})
+    accepted = [rid for rid, p in got.items() if isinstance(p, Plan)]
+    assert len(accepted) == 1 and s.rejected == 9
+    for rid in accepted:
+        s.first_token(rid)
+        s.release(rid)
+    clock.now += 0.01
+    again = await burst(s, {"after": 600})
+    assert isinstance(again["after"], Plan)
+
+
+async def test_no_429_after_an_overload_once_it_drained() -> None:
+    """An overload's measurements (prefills three times their estimate) make later estimates
+    slower, but they age out: 10 s after the last one, an idle cluster accepts again."""
+    clock = Clock()
+    s = scheduler(clock, ttft_slo=1.0, tbt_slo=0.2)
+    s.tracker = LoadTracker(clock, horizon_s=10.0)
+    for i in range(8):  # each 300-token prefill took 0.93 s, three times its estimate
+        s.tracker.assign(f"o{i}", "p1", 0.31, "d1", 300)
+        clock.now += 0.93
+        s.first_token(f"o{i}")
+        s.release(f"o{i}")
+    clock.now += 1.0
+    with pytest.raises(SLORejected):
+        await s.plan(request("during", 400), keys("during", 400))
+    clock.now += 10.0
+    got = await burst(s, {"after": 400})
+    assert isinstance(got["after"], Plan)
