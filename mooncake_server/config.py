@@ -274,16 +274,17 @@ class ServerConfig:
     ttft_slo_s: float | None = _setting(  # None = never reject on TTFT
         None, "--ttft-slo",
         "seconds; reject (429) requests whose estimated time to first token exceeds it",
-        (CONDUCTOR,))
+        (CONDUCTOR, COLOCATED))
     tbt_slo_s: float | None = _setting(  # None = never reject on TBT
         None, "--tbt-slo",
         "seconds; reject (429) requests whose estimated time between tokens exceeds it "
-        "(prefill: passes beside a decode are sized to fit half of it)",
-        (CONDUCTOR, PREFILL, DECODE))
+        "(prefill: passes beside a decode are sized to fit half of it; colocated: its passes "
+        "beside decoding rows fit it)",
+        (CONDUCTOR, PREFILL, DECODE, COLOCATED))
     profile_path: str | None = _setting(  # None = built-in model
         None, "--profile",
         "cost model from `mooncake-server profile` (default: built-in coefficients)",
-        (CONDUCTOR, PREFILL, DECODE))
+        (CONDUCTOR, PREFILL, DECODE, COLOCATED))
     log_level: str = _setting("info", "--log-level", "debug | info | warning | error",
                               EVERY_ROLE)
 

@@ -25,7 +25,7 @@ from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.logprobs import score_prompt_chunks, token_logprob
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
 from mooncake_server.engine.sampler import sample_token
-from mooncake_server.engine.sequence import Produced, SeqStatus, Sequence
+from mooncake_server.engine.sequence import LATE_FOR_SLO, Produced, SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,11 @@ class EngineLoop:
         # Told every pure decode step (batch, context tokens, compute seconds, seconds waited
         # for the cores and the forward thread): admission calibration.
         self.step_observer: Callable[[int, int, float, float], None] | None = None
+        # Told every pass (prompt tokens, decoding rows, their context tokens, wall seconds) and
+        # asked the prompt chunk of a pass beside decoding rows (rows, context): colocated SLO
+        # admission measures its passes and keeps them within the TBT SLO.
+        self.pass_observer: Callable[[int, int, int, float], None] | None = None
+        self.chunk_budget: Callable[[int, int], int] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -168,6 +173,10 @@ class EngineLoop:
             raise
 
     def _observe(self, items: list[StepItem], seconds: float) -> None:
+        if self.pass_observer is not None:
+            rows = [it for it in items if it.num_new == 1]
+            self.pass_observer(sum(it.num_new for it in items if it.num_new > 1), len(rows),
+                               sum(it.seq.num_computed + 1 for it in rows), seconds)
         if self.step_observer is not None and all(it.num_new == 1 for it in items):
             context = sum(it.seq.num_computed + 1 for it in items)
             compute = min(seconds, self.runner.last_compute_s)
@@ -192,13 +201,20 @@ class EngineLoop:
     def _schedule(self) -> list[StepItem]:
         self._admit()
         items: list[StepItem] = []
-        decoding = any(seq.num_pending == 1 for seq in self.running)
-        budget = self.decode_chunk_tokens if decoding else self.prefill_chunk_tokens
+        rows = [seq for seq in self.running if seq.num_pending == 1]
+        budget = self.decode_chunk_tokens if rows else self.prefill_chunk_tokens
+        if rows and self.chunk_budget is not None:
+            budget = min(budget, self.chunk_budget(len(rows),
+                                                   sum(seq.num_computed + 1 for seq in rows)))
         bt = self.kv.layout.block_tokens
+        now = time.perf_counter()
         for seq in list(self.running):
             n = seq.num_pending
             if n > 1:  # a prompt (chunk) still being prefilled
                 if budget <= 0:
+                    continue
+                if seq.num_computed == 0 and seq.start_by is not None and now > seq.start_by:
+                    self._finish(seq, error=LATE_FOR_SLO)  # started now, it would be late
                     continue
                 n = min(n, budget)
                 budget -= n

@@ -31,6 +31,9 @@ class Produced(NamedTuple):
     choice: int = 0  # which of the request's n choices (queues shared by siblings)
 
 
+LATE_FOR_SLO = "its prompt could not start in time to meet the TTFT SLO"
+
+
 @dataclass
 class Sequence:
     """One request's tokens and cache state.
@@ -61,6 +64,9 @@ class Sequence:
     # n > 1: the other choices, forked from this one once its prompt is computed (engine/loop.py)
     forks: list[Sequence] = field(default_factory=list)
     shared_blocks: int = 0  # leading block_ids shared with sibling choices (ref-counted)
+    # With a TTFT SLO: the perf_counter() by which its prompt must start computing; a sequence
+    # still waiting then ends with LATE_FOR_SLO before any work (the API answers 429).
+    start_by: float | None = None
 
     def __post_init__(self) -> None:
         if self.sampling.seed is not None:

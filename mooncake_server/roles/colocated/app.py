@@ -18,11 +18,13 @@ from mooncake_server.api.limits import RequestLimits
 from mooncake_server.api.openai_app import install_api
 from mooncake_server.api.prompts import load_eos_token_ids
 from mooncake_server.config import ServerConfig
+from mooncake_server.cost_model.loading import load_perf_model
 from mooncake_server.engine.factory import build_runner
 from mooncake_server.engine.forward_thread import forward_thread, no_team_on_this_thread
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
 from mooncake_server.instance.app import Starting, instance_app
 from mooncake_server.model_assets import resolve_model, served_name
+from mooncake_server.roles.colocated.admission import ColocatedAdmission
 from mooncake_server.roles.colocated.backend import LocalEngineBackend
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,12 @@ def build_app(config: ServerConfig) -> FastAPI:
     no_team_on_this_thread()  # the event loop samples; the forward thread computes
     loop = EngineLoop(runner, executor, engine_metrics, config.max_batch_size,
                       config.prefill_chunk_tokens, config.decode_chunk_tokens)
-    backend = LocalEngineBackend(loop, info.max_model_len)
+    admission = None
+    if config.ttft_slo_s is not None or config.tbt_slo_s is not None:
+        model = load_perf_model(config.profile_path, config.block_tokens, config.dtype)
+        admission = ColocatedAdmission(loop, model, ttft_slo_s=config.ttft_slo_s,
+                                       tbt_slo_s=config.tbt_slo_s)
+    backend = LocalEngineBackend(loop, info.max_model_len, admission)
 
     async def start(starting: Starting) -> None:
         no_team_on_this_thread()  # the event loop's own thread, whichever runs it

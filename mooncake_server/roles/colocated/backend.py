@@ -6,15 +6,18 @@ from collections.abc import AsyncIterator
 
 from mooncake_server.api.backend import BackendError, GenerateRequest, TokenEvent
 from mooncake_server.engine.loop import EngineLoop
-from mooncake_server.engine.sequence import SeqStatus, Sequence
+from mooncake_server.engine.sequence import LATE_FOR_SLO, SeqStatus, Sequence
+from mooncake_server.roles.colocated.admission import ColocatedAdmission
 
 
 class LocalEngineBackend:
     """The colocated baseline: the same engine loop, prompts prefilled in chunks between decodes."""
 
-    def __init__(self, loop: EngineLoop, max_model_len: int) -> None:
+    def __init__(self, loop: EngineLoop, max_model_len: int,
+                 admission: ColocatedAdmission | None = None) -> None:
         self.loop = loop
         self.max_model_len = max_model_len
+        self.admission = admission  # with --ttft-slo / --tbt-slo
 
     def ready(self) -> bool:
         """Always ready once built."""
@@ -39,15 +42,21 @@ class LocalEngineBackend:
         lead = seqs[0]
         if self.loop.kv.layout.blocks_for(lead.prompt_len + 1) > self.loop.kv.num_blocks:
             raise BackendError("prompt does not fit in the KV cache", status=400)
-        self.loop.submit(lead)
         ended = 0
         prompt_logprobs = lead.prompt_logprobs  # sent once, with choice 0's first token
         try:
+            if self.admission is not None:
+                await self.admission.admit(request, seqs)  # 429 here, before any work
+            else:
+                self.loop.submit(lead)
             while ended < len(seqs):
                 ev = await lead.events.get()  # NOTE: shared by every choice
                 if ev is None:
                     ended += 1
                     failed = next((s.error for s in seqs if s.error), None)
+                    if failed == LATE_FOR_SLO:
+                        raise BackendError(f"server overloaded: {failed}", status=429,
+                                           code="slo_unattainable", retry_after_s=1.0)
                     if failed:
                         raise BackendError(failed, status=503)
                     continue

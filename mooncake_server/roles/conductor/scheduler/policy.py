@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from mooncake_server.api.backend import BackendError, GenerateRequest
+from mooncake_server.api.burst import BURST_WINDOW_S, BurstGate, Order
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.conductor.registry import InstanceRegistry
-from mooncake_server.roles.conductor.scheduler.burst import BURST_WINDOW_S, BurstGate, Order
 from mooncake_server.roles.conductor.scheduler.estimators import (
     Passes,
     PrefillEstimate,

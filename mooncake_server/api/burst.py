@@ -1,4 +1,5 @@
-"""Admission per burst: requests that arrive together are decided together.
+"""Admission per burst: requests that arrive together are decided together (the conductor's
+scheduler and the colocated engine's admission both decide through a `BurstGate`).
 
 Production arrivals come in bursts (a trace's timestamps in 3-second buckets put 10-16 requests,
 thousands of prompt tokens, on the cluster at once). Judged one by one in arrival order, a

@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Goodput on bursty traffic: the share of requests served within both SLOs, per arrival rate.
+
+  .venv/bin/python scripts/bench_goodput.py --out goodput/
+  .venv/bin/python scripts/bench_goodput.py --scales 16,4 --systems all-slo,colocated
+
+The trace: the first --requests lines of ../shared/traces/synthetic_trace.jsonl (else
+traces/mooncake_sample.jsonl) with each timestamp rounded down to its 3-second bucket, as
+production traces record them, so requests land in bursts; hash-id blocks become 16-token
+blocks (scripts/replay_trace.py's prompts), outputs capped at 64 tokens. An arrival rate is the
+trace's clock times --scales (x16 = 16 s for each trace second, the light end). For each rate
+and system a fresh server is started, the burst arrivals replayed, and the server stopped
+(never two at once). A request still unanswered --drain-s after the last arrival is a miss.
+
+Systems: `all-slo` (`--role all --ttft-slo/--tbt-slo`), `colocated-slo` (`--role colocated`
+with the same flags), `colocated` (no SLO flags), `tfserve` (`transformers serve
+--continuous-batching`). Printed per point: share of ALL
+requests within SLO (a 429 is a miss), share of ACCEPTED within SLO, rejections, and for
+all-slo the conductor's measured / estimated TTFT p50 / p90 (its /metrics); per system its
+goodput (the slowest-to-fastest scan's highest rate with >= 90% of all requests within SLO).
+Also per rate a bound: the most requests any admission could serve within the TTFT SLO on the
+same arrivals, by an offline schedule of prefill work alone (each burst's requests ordered
+shortest first, Moore-Hodgson dropping the longest late one) at the per-token prefill cost
+measured on the idle all-slo server; decode is not charged, so the bound is optimistic.
+SLO: TTFT 5 s, TBT 200 ms (TBT over the decode's gaps; the hand-off before the second token is
+held to TTFT + TBT, for every system alike). Writes goodput.json and goodput.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import heapq
+import json
+import shlex
+import sys
+import time
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serving as bs  # noqa: E402  (a sibling script, not a package)
+import replay_trace as rt  # noqa: E402
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+BUCKET_MS = 3000.0
+SYSTEMS = ("all-slo", "colocated-slo", "colocated", "tfserve")
+GOODPUT_SHARE = 0.9
+
+
+def bursty_trace(path: Path, requests: int) -> list[rt.TraceRequest]:
+    """The first `requests` lines, each timestamp rounded down to its 3-second bucket."""
+    return [dataclasses.replace(r, timestamp_ms=r.timestamp_ms // BUCKET_MS * BUCKET_MS)
+            for r in rt.load_trace(path, 0, requests)]
+
+
+async def replay_point(api: bs.Api, prompts: bs.Prompts, trace: list[rt.TraceRequest],
+                       scale: float, max_output: int, drain_s: float) -> list[bs.Result]:
+    """Each request at its scaled burst time; unanswered ones `drain_s` after the last arrival
+    end as misses (status "timeout")."""
+    builder = prompts.builder(16, 0)
+    t0 = trace[0].timestamp_ms
+    end = (trace[-1].timestamp_ms - t0) / 1000.0 * scale + drain_s
+    async with bs.new_client(end + 60) as client:
+        begin = time.perf_counter()
+
+        async def one(i: int, req: rt.TraceRequest) -> bs.Result:
+            at = (req.timestamp_ms - t0) / 1000.0 * scale
+            await asyncio.sleep(max(0.0, begin + at - time.perf_counter()))
+            n_out = max(1, min(req.output_length, max_output))
+            left = begin + end - time.perf_counter()
+            try:
+                r = await asyncio.wait_for(
+                    bs.send(client, api, prompts.trace_prompt(builder, req, i), n_out), left)
+            except TimeoutError:
+                r = bs.Result("timeout", error=f"unanswered {drain_s:g} s after the last arrival")
+            r.arrival_s = at
+            return r
+
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(trace))))
+
+
+def estimate_ratios(url: str) -> dict[str, float]:
+    """The conductor's measured / estimated TTFT and TBT quantiles (its /metrics)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("mooncake_scheduler_") and "_measured_over_estimated{" in line:
+            name, value = line.rsplit(" ", 1)
+            key = name.split("mooncake_scheduler_")[1].split("_measured")[0]
+            q = name.split('quantile="')[1].split('"')[0]
+            out[f"{key}_ratio_p{round(float(q) * 100)}"] = float(value)
+    return out
+
+
+def prefill_s_per_token(api: bs.Api, prompts: bs.Prompts) -> float:
+    """Seconds per prompt token of a lone 512-token prefill on the idle server (best of 3)."""
+    async def three() -> list[float]:
+        async with bs.new_client(120) as client:
+            return [(await bs.send(client, api, prompts.random(512, f"idle{i}"), 1)).ttft_s
+                    or float("inf") for i in range(3)]
+    return min(asyncio.run(three())) / 512
+
+
+def burst_work(trace: list[rt.TraceRequest], builder: rt.PromptBuilder,
+               scale: float) -> dict[float, list[int]]:
+    """Each burst's arrival (scaled seconds) -> its requests' uncached prompt tokens (hash-id
+    blocks seen in an earlier request count as cached)."""
+    seen: set[int] = set()
+    t0 = trace[0].timestamp_ms
+    bursts: dict[float, list[int]] = {}
+    for r in trace:
+        n = builder.length(r)
+        cached = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            cached += 16
+        seen.update(r.hash_ids)
+        arrive = (r.timestamp_ms - t0) / 1000.0 * scale
+        bursts.setdefault(arrive, []).append(max(1, n - min(cached, n - 1)))
+    return bursts
+
+
+def offline_bound(bursts: dict[float, list[int]], per_token_s: float, ttft_slo: float) -> int:
+    """Most requests whose prefill can finish within the TTFT SLO on one prefill server.
+
+    Burst by burst (a burst's work cannot start before it arrives, nor before the work kept
+    from earlier bursts is done), each burst shortest first; whenever the schedule runs late
+    the longest request kept in the burst is dropped (Moore-Hodgson: optimal for one common
+    deadline). Decode costs nothing here.
+    """
+    served, free_at = 0, 0.0
+    for arrive in sorted(bursts):
+        kept: list[float] = []  # a max-heap of costs (negated)
+        t = max(free_at, arrive)
+        for cost in sorted(n * per_token_s for n in bursts[arrive]):
+            heapq.heappush(kept, -cost)
+            t += cost
+            if t > arrive + ttft_slo:
+                t += heapq.heappop(kept)  # drop the longest kept
+        served += len(kept)
+        free_at = t
+    return served
+
+
+def launch(system: str, args: argparse.Namespace,
+           log_dir: Path) -> AbstractContextManager[bs.Api]:
+    """Start `system` (stopped with its whole process tree on exit)."""
+    if system in ("tfserve", "all-slo"):
+        return bs.launch_system(system.removesuffix("-slo"), args, log_dir, system == "all-slo")
+    slo = ["--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo)]
+    server_args = ["--model", args.model, *shlex.split(args.mooncake_args),
+                   *shlex.split(args.colocated_args), *(slo if system == "colocated-slo" else [])]
+    return bs.start_mooncake("colocated", server_args, [], log_dir)
+
+
+def run_point(system: str, scale: float, args: argparse.Namespace, prompts: bs.Prompts,
+              trace: list[rt.TraceRequest], log_dir: Path, bound: dict[str, Any]) -> dict:
+    """One fresh server, one replay: its figures."""
+    t0 = time.perf_counter()
+    with launch(system, args, log_dir / f"{system}-x{scale:g}") as api:
+        api.prompts = prompts
+        asyncio.run(bs.warm_up(api, prompts, 128, args.request_timeout))
+        if system == "all-slo" and "per_token_s" not in bound:
+            bound["per_token_s"] = prefill_s_per_token(api, prompts)
+        started = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        results = asyncio.run(replay_point(api, prompts, trace, scale, 64, args.drain_s))
+        wall = time.perf_counter() - t1
+        ratios = estimate_ratios(api.url) if system == "all-slo" else {}
+    s = rt.summarize(results, args.ttft_slo, args.tbt_slo)
+    timeouts = sum(1 for r in results if r.status == "timeout")
+    return {"system": system, "scale": scale, "requests": s.requests,
+            "within_slo": s.within_slo, "accepted_within_slo": s.accepted_within_slo,
+            "rejected": s.rejected, "timeouts": timeouts, "errors": s.errors - timeouts,
+            "ttft_p50": s.ttft_p50, "ttft_p90": s.ttft_p90, "tbt_p90": s.tbt_p90,
+            "wall_s": wall, "startup_s": started, **ratios}
+
+
+def plot(points: list[dict], bounds: dict[float, float], path: Path) -> None:
+    """Share of all requests within SLO vs arrival rate, one line per system (Fig. 14 style)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system in SYSTEMS:
+        mine = sorted((p["rate"], p["within_slo"]) for p in points if p["system"] == system)
+        if mine:
+            ax.plot(*zip(*mine), marker="o", label=system)
+    if bounds:
+        ax.plot(*zip(*sorted(bounds.items())), ls="--", color="grey", label="offline bound")
+    ax.axhline(GOODPUT_SHARE, color="red", lw=0.8, ls=":")
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("share of all requests within SLO")
+    ax.set_ylim(0, 1.05)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    """Every (system, rate) point; the table, goodput per system, JSON and PNG."""
+    def flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--trace", default=str(SHARED_TRACE if SHARED_TRACE.exists()
+                                              else rt.DEFAULT_TRACE))
+        p.add_argument("--requests", type=int, default=60)
+        p.add_argument("--scales", default="16,4,2", help="trace clock multipliers")
+        p.add_argument("--systems", default=",".join(SYSTEMS))
+        p.add_argument("--ttft-slo", type=float, default=5.0)
+        p.add_argument("--tbt-slo", type=float, default=0.2)
+        p.add_argument("--drain-s", type=float, default=60.0)
+        p.add_argument("--request-timeout", type=float, default=600.0)
+        p.add_argument("--startup-timeout", type=float, default=300.0)
+        p.add_argument("--mooncake-args", default="")
+        p.add_argument("--all-args", default="")
+        p.add_argument("--colocated-args", default="")
+        p.add_argument("--tf-args", default="")
+        p.add_argument("--out", default="goodput")
+
+    args, args.model, prompts = bs.one_server_bench(__doc__.splitlines()[0], "goodput-logs",
+                                                    flags)
+    trace = bursty_trace(Path(args.trace), args.requests)
+    span = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0
+    bursts = len({r.timestamp_ms for r in trace})
+    print(f"trace: {len(trace)} requests of {args.trace} in {bursts} bursts over {span:g} "
+          "trace seconds", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    scales = [float(x) for x in args.scales.split(",")]
+    points: list[dict] = []
+    bound: dict[str, Any] = {}
+    for scale in scales:
+        for system in args.systems.split(","):
+            print(f"{system} at x{scale:g} ...", flush=True)
+            try:
+                p = run_point(system, scale, args, prompts, trace, Path(args.logs), bound)
+            except Exception as exc:  # noqa: BLE001 - one broken point must not lose the rest
+                print(f"  failed: {exc}", file=sys.stderr, flush=True)
+                continue
+            p["rate"] = len(trace) / (span * scale)
+            points.append(p)
+            print(f"  within SLO {p['within_slo']:.0%} of all, {p['accepted_within_slo']:.0%} "
+                  f"of accepted; rejected {p['rejected']}, unanswered {p['timeouts']}", flush=True)
+    per_token = bound.get("per_token_s")
+    builder = prompts.builder(16, 0)
+    bounds = {len(trace) / (span * s): offline_bound(burst_work(trace, builder, s), per_token,
+                                                     args.ttft_slo) / len(trace)
+              for s in scales} if per_token else {}
+    print(f"\nSLOs: TTFT {args.ttft_slo:g} s, TBT {args.tbt_slo:g} s; idle prefill "
+          f"{(per_token or float('nan')) * 1000:.2f} ms/token")
+    print(f"{'system':<10}{'scale':>6}{'req/s':>7}{'all%':>6}{'acc%':>6}{'429':>5}{'late':>5}"
+          f"{'TTFT p90':>9}{'TBT p90':>8}{'ttft m/e p50':>13}{'p90':>6}{'bound%':>7}")
+    for p in points:
+        b = bounds.get(p["rate"])
+        print(f"{p['system']:<10}{p['scale']:>6g}{p['rate']:>7.2f}{p['within_slo']:>6.0%}"
+              f"{p['accepted_within_slo']:>6.0%}{p['rejected']:>5}{p['timeouts']:>5}"
+              f"{p['ttft_p90']:>9.2f}{p['tbt_p90']:>8.3f}"
+              f"{p.get('ttft_ratio_p50', float('nan')):>13.2f}"
+              f"{p.get('ttft_ratio_p90', float('nan')):>6.2f}"
+              f"{(b if b is not None else float('nan')):>7.0%}")
+    goodput = {}
+    for system in {p["system"] for p in points}:
+        ok = [p["rate"] for p in points if p["system"] == system
+              and p["within_slo"] >= GOODPUT_SHARE]
+        goodput[system] = max(ok) if ok else 0.0
+        print(f"goodput {system}: {goodput[system]:.3f} req/s (highest rate with >= 90% within)")
+    (out / "goodput.json").write_text(json.dumps(
+        {"cpu": bs.cpu_info(), "trace": args.trace, "requests": len(trace),
+         "bucket_ms": BUCKET_MS, "points": points, "bounds": bounds, "goodput": goodput,
+         "prefill_s_per_token": per_token}, indent=1))
+    plot(points, bounds, out / "goodput.png")
+    print(f"wrote {out / 'goodput.json'} and {out / 'goodput.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""`--role colocated` with SLO flags: bursts decided cheapest first over the engine's own work,
+passes beside decoding rows sized to the TBT SLO, late prompts refused before any work."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from mooncake_server.api.backend import BackendError, GenerateRequest
+from mooncake_server.cost_model.perf_model import PerfModel
+from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
+from mooncake_server.engine.loop import EngineLoop, EngineMetrics
+from mooncake_server.engine.model_runner import ModelRunner
+from mooncake_server.engine.sequence import LATE_FOR_SLO
+from mooncake_server.roles.colocated.admission import ColocatedAdmission
+from mooncake_server.roles.colocated.backend import LocalEngineBackend
+from mooncake_server.wire.jobs import SamplingParams
+
+# Round numbers: 1 ms per prompt token + 10 ms per pass; a step 20 ms + 5 ms per row.
+MODEL = PerfModel(prefill_a=0.0, prefill_b=1e-3, prefill_c=0.01, prefill_e=0.0,
+                  decode_d0=0.02, decode_d1=0.005, decode_d2=0.0, block_tokens=4)
+
+
+def engine(paged: torch.nn.Module, *, ttft_slo: float | None = 1.0,
+           tbt_slo: float | None = None) -> tuple[LocalEngineBackend, EngineLoop,
+                                                   ColocatedAdmission]:
+    layout = KVLayout.from_model_config(paged.config, 4, torch.float32)
+    loop = EngineLoop(ModelRunner(paged, PagedKVCache(layout, num_blocks=600)),
+                      ThreadPoolExecutor(1), EngineMetrics(CollectorRegistry()),
+                      max_batch_size=8, prefill_chunk_tokens=2048, decode_chunk_tokens=256)
+    admission = ColocatedAdmission(loop, MODEL, ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
+                                   window_s=0.0)
+    return LocalEngineBackend(loop, 2048, admission), loop, admission
+
+
+def request(rid: str, n: int, max_tokens: int = 4) -> GenerateRequest:
+    return GenerateRequest(rid, [5] * n, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                        ignore_eos=True))
+
+
+async def test_a_burst_is_admitted_cheapest_first_and_the_rest_refused(tiny_model_pair) -> None:
+    """Five prompts at once with a 1 s TTFT SLO: 100, 200 and 300 tokens fit one after the
+    other (0.11, 0.32, 0.63 s), 500 and 800 do not; the engine gets them in that order."""
+    _, paged = tiny_model_pair
+    backend, loop, admission = engine(paged)  # never started: the work stays queued
+    sizes = {"a800": 800, "b100": 100, "c300": 300, "d500": 500, "e200": 200}
+    reqs = {rid: request(rid, n) for rid, n in sizes.items()}
+    got = await asyncio.gather(*(admission.admit(r, backend._choices(r)) for r in reqs.values()),
+                               return_exceptions=True)
+    refused = {rid for rid, g in zip(reqs, got) if isinstance(g, BackendError)}
+    assert refused == {"a800", "d500"}
+    assert all(g.status == 429 for g in got if isinstance(g, BackendError))
+    assert [s.request_id for s in loop.waiting] == ["b100", "e200", "c300"]
+    assert admission.gate.bursts == 1 and admission.rejected == 2
+
+
+def test_passes_beside_decoding_rows_fit_the_tbt_slo(tiny_model_pair) -> None:
+    """Four rows step in 40 ms; a 100 ms SLO leaves 60 ms: 10 ms + 48 tokens. Passes measured
+    twice as slow as modelled leave room for the smallest chunk only."""
+    _, paged = tiny_model_pair
+    _, _, admission = engine(paged, tbt_slo=0.1)
+    assert admission.chunk_for(4, 100) == 48
+    for _ in range(30):
+        admission.observed(48, 4, 100, 2 * 0.098)
+    assert admission.chunk_for(4, 100) == 16
+
+
+async def test_a_prompt_past_its_start_deadline_gets_429_before_any_work(tiny_model_pair) -> None:
+    """Accepted, then held up (here: its deadline set in the past as it is submitted): when its
+    turn comes it ends without computing anything, the client gets 429, no block is kept."""
+    _, paged = tiny_model_pair
+    backend, loop, _ = engine(paged, ttft_slo=5.0)
+    submit = loop.submit
+
+    def late_submit(seq):  # type: ignore[no-untyped-def]
+        seq.start_by = 0.0
+        submit(seq)
+
+    loop.submit = late_submit  # type: ignore[method-assign]
+    computed = loop.metrics.computed_prompt_tokens
+    loop.start()
+    try:
+        with pytest.raises(BackendError) as info:
+            async for _ in backend.generate(request("late", 40)):
+                pass
+        assert info.value.status == 429 and LATE_FOR_SLO in str(info.value)
+        assert computed._value.get() == 0  # noqa: SLF001 - nothing was computed
+        assert loop.kv.num_free == loop.kv.num_blocks
+        loop.submit = submit  # type: ignore[method-assign]
+        events = [e async for e in backend.generate(request("on-time", 40))]
+        assert len(events) == 4
+    finally:
+        await loop.stop()
+
+
+async def test_admitted_requests_still_match_plain_serving(tiny_model_pair) -> None:
+    """Admission decides when a prompt starts, never what it computes: the same greedy tokens."""
+    _, paged = tiny_model_pair
+    plain, plain_loop, _ = engine(paged, ttft_slo=None)
+    plain.admission = None
+    gated, gated_loop, _ = engine(paged, ttft_slo=30.0, tbt_slo=5.0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 250, (n,), generator=g).tolist() for n in (7, 30, 19)]
+    outs = []
+    for backend, loop in ((plain, plain_loop), (gated, gated_loop)):
+        loop.start()
+        try:
+            outs.append(await asyncio.gather(*(
+                _tokens(backend, GenerateRequest(f"r{i}", p, SamplingParams(
+                    max_tokens=8, temperature=0, ignore_eos=True)))
+                for i, p in enumerate(prompts))))
+        finally:
+            await loop.stop()
+    assert outs[0] == outs[1]
+
+
+async def _tokens(backend: LocalEngineBackend, req: GenerateRequest) -> list[int]:
+    return [e.token_id async for e in backend.generate(req)]
