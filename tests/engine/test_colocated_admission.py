@@ -69,6 +69,20 @@ def test_passes_beside_decoding_rows_fit_the_tbt_slo(tiny_model_pair) -> None:
     assert admission.chunk_for(4, 100) == 16
 
 
+def test_a_cold_first_pass_does_not_make_an_idle_engine_refuse(tiny_model_pair) -> None:
+    """The first request's prefill pass ran 30x its model (allocations, a cold start); the
+    steps after it ran at a third of theirs. The next request alone is judged by the steps."""
+    _, paged = tiny_model_pair
+    _, _, admission = engine(paged, tbt_slo=0.2)
+    admission.seed_quiet_step(1, 5, 0.33 * MODEL.decode_step_s(1, 5))
+    admission.observed(16, 0, 0, 30 * MODEL.prefill_s(16))
+    for i in range(3):
+        admission.observed(0, 1, 17 + i, 0.33 * MODEL.decode_step_s(1, 17 + i))
+    ttft, tbt, _ = admission.estimate(128)
+    assert tbt == pytest.approx(0.33 * MODEL.decode_step_s(1, 128), rel=0.01)
+    assert ttft < 0.33 * MODEL.prefill_s(128) * 1.01  # the prefill ratio: decode's, until 3
+
+
 async def test_a_prompt_past_its_start_deadline_gets_429_before_any_work(tiny_model_pair) -> None:
     """Accepted, then held up (here: its deadline set in the past as it is submitted): when its
     turn comes it ends without computing anything, the client gets 429, no block is kept."""

@@ -3,10 +3,15 @@
 With `--ttft-slo` / `--tbt-slo`, requests that arrive together are decided together, cheapest
 first (`api/burst.py`); each is estimated against the work the engine already holds (the prompt
 tokens waiting or part-computed ahead of it, computed in passes beside the decoding rows) with
-the cost model scaled by this engine's own passes (measured / modelled, smoothed over the last
-10 s). Refused requests get 429 at once. With `--tbt-slo` a pass beside decoding rows takes the
-largest prompt chunk (16-token steps) whose modelled time, so scaled, fits the SLO: the chunk
-is the decoding rows' token gap. An accepted prompt that still has not started computing when
+the cost model scaled by this engine's own passes, measured apart: one-token passes against the
+modelled decode step (their 90th percentile over the last 10 s: TBT is judged on the slow
+gaps), and passes with prompt tokens, less their rows' step, against the modelled prefill (the
+median, robust to a cold start's first pass: as one smoothed ratio of both, the first request's
+pass made an idle engine refuse the second, "estimated TBT 224 ms"). Until it has measured
+decode steps it uses the quiet step timed at start (`seed_quiet_step`); until it has measured
+three prefill passes, the decode ratio. Refused requests get 429 at once. With `--tbt-slo` a
+pass beside decoding rows takes the largest prompt chunk (16-token steps) whose modelled time,
+so scaled, fits the SLO: the chunk is the decoding rows' token gap. An accepted prompt that still has not started computing when
 its TTFT SLO less its own compute has passed ends before any work (429, `LATE_FOR_SLO`).
 """
 
@@ -18,7 +23,7 @@ import time
 
 from mooncake_server.api.backend import BackendError, GenerateRequest
 from mooncake_server.api.burst import BURST_WINDOW_S, BurstGate, Order
-from mooncake_server.cost_model.calibration import RATIO_FLOOR, SmoothedCalibration
+from mooncake_server.cost_model.calibration import RATIO_FLOOR, TailCalibration
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.engine.loop import EngineLoop
 from mooncake_server.engine.sequence import Sequence
@@ -37,7 +42,9 @@ class ColocatedAdmission:
         self.model = model
         self.ttft_slo_s = ttft_slo_s
         self.tbt_slo_s = tbt_slo_s
-        self.ratio = SmoothedCalibration(lo=RATIO_FLOOR)
+        self.decode = TailCalibration(quantile=0.9)
+        self.prefill = TailCalibration(quantile=0.5)
+        self._quiet = 1.0  # measured / modelled quiet step, the fallback of `decode`
         self.gate: BurstGate[list[Sequence], None] = BurstGate(self._decide, window_s=window_s)
         self.rejected = 0
         loop.pass_observer = self.observed
@@ -48,18 +55,41 @@ class ColocatedAdmission:
         """Submit the request's sequences in its burst's order, or raise 429."""
         await self.gate.admit(seqs, len(request.prompt_token_ids))
 
+    def seed_quiet_step(self, batch: int, context: int, seconds: float) -> None:
+        """The quiet step timed at start-up: the decode ratio while no step is recent."""
+        modelled = self.model.decode_step_s(batch, context)
+        if modelled > 0:
+            self._quiet = max(RATIO_FLOOR, seconds / modelled)
+
     def observed(self, prompt_tokens: int, rows: int, context: int, seconds: float) -> None:
-        """A pass ran: its time calibrates the model."""
-        self.ratio.add(seconds, self._modelled(prompt_tokens, rows, context))
+        """A pass ran: its time calibrates the model's decode steps or prefill."""
+        step = self.model.decode_step_s(rows, context)
+        if not prompt_tokens:
+            self.decode.add(seconds, step)
+            return
+        rest = max(0.0, seconds - self.decode_ratio * step)
+        self.prefill.add(rest, self.model.prefill_s(prompt_tokens))
+
+    @property
+    def decode_ratio(self) -> float:
+        """Measured / modelled decode steps (the quiet step's while none is recent)."""
+        return self.decode.value if self.decode.recent else self._quiet
+
+    @property
+    def prefill_ratio(self) -> float:
+        """Measured / modelled prefill (the decode ratio until three passes are recent)."""
+        return self.prefill.value if self.prefill.recent >= 3 else self.decode_ratio
 
     def _modelled(self, prompt_tokens: int, rows: int, context: int) -> float:
-        return self.model.prefill_s(prompt_tokens) + self.model.decode_step_s(rows, context)
+        """A pass's time: its prompt tokens and its decoding rows, each by its own ratio."""
+        return (self.prefill_ratio * self.model.prefill_s(prompt_tokens)
+                + self.decode_ratio * self.model.decode_step_s(rows, context))
 
     def chunk_for(self, rows: int, context: int) -> int:
         """The largest prompt chunk (a multiple of 16, at least 16) whose pass beside `rows`
         decoding rows is estimated within the TBT SLO."""
         assert self.tbt_slo_s is not None
-        budget = self.tbt_slo_s / self.ratio.value
+        budget = self.tbt_slo_s
         chunk = MIN_CHUNK
         while (chunk + MIN_CHUNK <= self.loop.decode_chunk_tokens
                and self._modelled(chunk + MIN_CHUNK, rows, context) <= budget):
@@ -68,7 +98,6 @@ class ColocatedAdmission:
 
     def estimate(self, prompt_tokens: int) -> tuple[float, float, float]:
         """(TTFT, TBT, own compute) seconds of a prompt admitted now, after the work held."""
-        r = self.ratio.value
         loop = self.loop
         rows = [s for s in loop.running if s.num_pending == 1]
         ahead = [s for s in loop.running if s.num_pending > 1] + list(loop.waiting)
@@ -78,17 +107,19 @@ class ColocatedAdmission:
                      else loop.decode_chunk_tokens)
         else:
             chunk = loop.prefill_chunk_tokens
-        pending = sum(s.num_pending for s in ahead) + prompt_tokens
-        modelled, passes = self.model.chunked_prefill_s(pending, 0, chunk)
-        ttft = r * (modelled + passes * self.model.decode_step_s(len(rows), context))
-        own, own_passes = self.model.chunked_prefill_s(prompt_tokens, 0, chunk)
-        own = r * (own + own_passes * self.model.decode_step_s(len(rows), context))
+        step = self.decode_ratio * self.model.decode_step_s(len(rows), context)
+
+        def compute(tokens: int) -> float:
+            modelled, passes = self.model.chunked_prefill_s(tokens, 0, chunk)
+            return self.prefill_ratio * modelled + passes * step
+
+        ttft = compute(sum(s.num_pending for s in ahead) + prompt_tokens)
         # Once it decodes, the rows ahead of it decode too; a pass gives them at least the
         # smallest chunk while prompts remain.
         batch = len(rows) + len(ahead) + 1
         after = context + sum(len(s.token_ids) for s in ahead) + prompt_tokens
-        tbt = r * self._modelled(MIN_CHUNK if ahead else 0, batch, after)
-        return ttft, tbt, own
+        tbt = self._modelled(MIN_CHUNK if ahead else 0, batch, after)
+        return ttft, tbt, compute(prompt_tokens)
 
     def _decide(self, seqs: list[Sequence], order: Order) -> None:
         lead = seqs[0]

@@ -29,6 +29,8 @@ from mooncake_server.roles.colocated.backend import LocalEngineBackend
 
 log = logging.getLogger(__name__)
 
+_QUIET_PASSES = 5  # one-token passes timed at start-up (with SLO flags)
+
 
 def build_app(config: ServerConfig) -> FastAPI:
     """The colocated server: OpenAI API over an in-process engine."""
@@ -57,6 +59,10 @@ def build_app(config: ServerConfig) -> FastAPI:
         stack = starting.stack
         stack.callback(runner.cores.close)
         stack.push_async_callback(asyncio.to_thread, executor.shutdown, True)
+        if admission is not None:  # the engine's own speed before any request is measured
+            quiet = await asyncio.get_running_loop().run_in_executor(
+                executor, runner.quiet_step_s, _QUIET_PASSES)
+            admission.seed_quiet_step(1, _QUIET_PASSES, quiet)
         loop.start()
         stack.push_async_callback(loop.stop)
         log.info("colocated engine ready: %s", info.name)
