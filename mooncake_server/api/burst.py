@@ -10,7 +10,10 @@ deadline that order lets the most requests meet it) and placed in that order, ea
 counting those placed before it; those that cannot meet the SLOs get their 429 at once.
 Across bursts the earlier burst goes first (earliest deadline): a later burst is decided with the
 earlier one already in the ledger, and its prefill jobs carry the burst's time and each job's rank
-(`Order`), which the prefill instance serves its queue by.
+(`Order`, ranks counting accepted requests only), which the prefill instance serves its queue
+by: it starts rank r once ranks 0..r-1 of its burst have reached it (or after a short wait), since
+the jobs reach it in any order (each after its own decode reservation) and a long prompt started
+first holds the cores for seconds while the burst's short ones wait behind it.
 """
 
 from __future__ import annotations
@@ -70,10 +73,15 @@ class BurstGate(Generic[T, R]):
         burst, self._waiting = self._waiting, []
         self.bursts += 1
         at = self._wall_clock()
-        for rank, w in enumerate(sorted(burst, key=lambda w: (w.cost, w.arrived))):
+        rank = 0  # counts the accepted only: the prefill instance waits for ranks 0..r-1
+        for w in sorted(burst, key=lambda w: (w.cost, w.arrived)):
             if w.answer.done():  # its client went away while the burst gathered
                 continue
             try:
-                w.answer.set_result(self._decide(w.item, Order(at, rank)))
+                result = self._decide(w.item, Order(at, rank))
             except Exception as exc:  # noqa: BLE001 - the 429 (or a bug) goes to its request
                 w.answer.set_exception(exc)
+                continue
+            if result is not None:
+                rank += 1
+            w.answer.set_result(result)

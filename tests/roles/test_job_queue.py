@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mooncake_server.roles.prefill.job_queue import JobQueue
+from mooncake_server.roles.prefill.job_queue import ORDER_WAIT_S, JobQueue
 from mooncake_server.wire.jobs import PrefillJob, SamplingParams
 
 
@@ -75,3 +75,20 @@ def test_jobs_without_an_order_run_in_arrival_order_and_cancelled_ones_are_dropp
         q.push(t)
     batch, late = q.take(budget_tokens=1000)
     assert ids(batch) == ["first", "second"] and late == []
+
+
+def test_a_rank_waits_for_the_ranks_before_it_to_arrive() -> None:
+    """Rank 1 reaches the instance first (its decode reservation came back sooner): it waits
+    for rank 0 rather than start a pass the cheaper job would then wait behind; a rank that
+    never comes (its request went away) holds it no longer than ORDER_WAIT_S."""
+    clock = Clock()
+    q = JobQueue(clock)
+    q.push(task("long-rank1", 900, burst_at=1.0, rank=1))
+    assert q.take(budget_tokens=100) == ([], []) and q.hold_s == ORDER_WAIT_S
+    q.push(task("short-rank0", 50, burst_at=1.0, rank=0))
+    assert ids(q.take(budget_tokens=100)[0]) == ["short-rank0"]
+    assert ids(q.take(budget_tokens=100)[0]) == ["long-rank1"]
+    q.push(task("orphan-rank3", 10, burst_at=2.0, rank=3))
+    assert q.take(budget_tokens=100)[0] == [] and q.hold_s > 0
+    clock.now += ORDER_WAIT_S + 0.01
+    assert ids(q.take(budget_tokens=100)[0]) == ["orphan-rank3"]

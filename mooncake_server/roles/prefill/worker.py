@@ -27,6 +27,7 @@ stored again as usual).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -145,6 +146,7 @@ class PrefillWorker:
         self.metrics = metrics
         self.reporter: CacheReporter | None = None  # set once the conductor is known
         self._queue = JobQueue()
+        self._pushed = asyncio.Event()  # a job joined the queue
         self._serving: asyncio.Task[None] | None = None
         self.queued = 0
         self._answered_at = float("-inf")  # monotonic time jobs were last handed on
@@ -158,6 +160,7 @@ class PrefillWorker:
         self.queued += 1
         self.runner.cores.set_active(True)
         self._queue.push(task)
+        self._pushed.set()
         if self._serving is None or self._serving.done():
             # NOTE: the queue is served by its own task: a caller that goes away (its request
             # cancelled) must not stop the pass computing the others' jobs.
@@ -175,7 +178,13 @@ class PrefillWorker:
     async def _serve(self) -> None:
         """Batches until the queue is empty."""
         while self._queue:
+            self._pushed.clear()
             batch = self._take_batch()
+            if not batch:
+                if self._queue.hold_s > 0:  # the head waits for its burst's earlier ranks
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._pushed.wait(), self._queue.hold_s)
+                continue
             try:
                 await self._run_batch(batch)
             except Exception as exc:  # noqa: BLE001 - a bug must not leave callers waiting
