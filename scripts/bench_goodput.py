@@ -23,7 +23,8 @@ same arrivals, by an offline schedule of prefill work alone (each burst's reques
 shortest first, Moore-Hodgson dropping the longest late one) at the per-token prefill cost
 measured on the idle all-slo server; decode is not charged, so the bound is optimistic.
 SLO: TTFT 5 s, TBT 200 ms (TBT over the decode's gaps; the hand-off before the second token is
-held to TTFT + TBT, for every system alike). Writes goodput.json and goodput.png to --out.
+held to TTFT + TBT, for every system alike). Writes goodput.json, goodput.png and one
+requests-<system>-x<scale>.jsonl per point (each request's outcome) to --out.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ async def replay_point(api: bs.Api, prompts: bs.Prompts, trace: list[rt.TraceReq
                     bs.send(client, api, prompts.trace_prompt(builder, req, i), n_out), left)
             except TimeoutError:
                 r = bs.Result("timeout", error=f"unanswered {drain_s:g} s after the last arrival")
-            r.arrival_s = at
+            r.arrival_s, r.max_tokens = at, n_out
             return r
 
         return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(trace))))
@@ -176,6 +177,12 @@ def run_point(system: str, scale: float, args: argparse.Namespace, prompts: bs.P
         results = asyncio.run(replay_point(api, prompts, trace, scale, 64, args.drain_s))
         wall = time.perf_counter() - t1
         ratios = estimate_ratios(api.url) if system == "all-slo" else {}
+    with open(Path(args.out) / f"requests-{system}-x{scale:g}.jsonl", "w") as f:
+        for i, r in enumerate(results):
+            r.index = i
+            record = rt.request_record(system, r, args.ttft_slo, args.tbt_slo)
+            record["second_token_s"] = r.token_times[1] if len(r.token_times) > 1 else None
+            f.write(json.dumps(record) + "\n")
     s = rt.summarize(results, args.ttft_slo, args.tbt_slo)
     timeouts = sum(1 for r in results if r.status == "timeout")
     return {"system": system, "scale": scale, "requests": s.requests,
