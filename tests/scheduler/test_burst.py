@@ -135,3 +135,23 @@ async def test_no_429_after_an_overload_once_it_drained() -> None:
     clock.now += 10.0
     got = await burst(s, {"after": 400})
     assert isinstance(got["after"], Plan)
+
+
+async def test_a_bursts_own_jobs_do_not_count_as_cutting_its_passes() -> None:
+    """On a prefill instance sharing its cores with a decode, prompts queued behind earlier work
+    are computed in cut passes (each waiting for a decode step); the jobs of the same burst are
+    batched into full passes with it, so they do not make it cut."""
+    from mooncake_server.wire.instances import Heartbeat, PassSplit
+
+    s = scheduler(Clock(), ttft_slo=5.0)
+    s.registry.heartbeat(Heartbeat(instance_id="p1", passes=PassSplit(
+        chunk_tokens=2048, cut_tokens=100, ratio=1.0, cut_ratio=1.0, wait_s=0.05, shared=True)))
+    got = await burst(s, {"one": 1, "mid": 500})
+    mid = got["mid"]
+    assert isinstance(mid, Plan)
+    # Full speed: 11 ms for the 1-token job ahead, then 10 + 500 ms; cut, it would be 5 x
+    # (10 + 100 + 50 ms) = 0.8 s of its own.
+    assert mid.prefill_estimate.ttft_s == pytest.approx(0.011 + 0.51)
+    later = await burst(s, {"later": 500})  # behind the first burst's work: cut passes
+    assert isinstance(later["later"], Plan)
+    assert later["later"].prefill_estimate.compute_s == pytest.approx(5 * 0.16)
