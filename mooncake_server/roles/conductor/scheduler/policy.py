@@ -11,7 +11,7 @@ policy picks the pair (paper Fig. 5 ablation):
                 fetches it when that beats recomputing (cache load balancing, §4.2).
 If `--ttft-slo` / `--tbt-slo` cannot be met by the chosen pair, the request is rejected at once
 (HTTP 429 + Retry-After) instead of queueing behind work that would break its SLO. With SLOs,
-requests that arrive together are decided together, cheapest first (burst.py); each accepted
+requests that arrive together are decided together, cheapest first (api/burst.py); each accepted
 one's prefill must start by a deadline (`Plan.start_by`), or the prefill instance turns it away
 with 429 before computing it. TBT is the decode's steady steps; the hand-off from prefill to
 decode (KV load, joining the batch) is time to the second token, budgeted as TTFT + TBT.
@@ -210,8 +210,8 @@ class KVCacheScheduler:
             return min(choices, key=lambda c: (
                 self.tracker.decode_load(c.info.instance_id).batch, c.info.instance_id))
         fitting = [c for c in choices if c.fits] or choices
-        # Steady steps first; between equal ones, the faster hand-off. A slow hand-off (a
-        # cold start's, say) spreads over the request's gaps: rank by their mean.
+        # Ranked by the mean gap a request would see: steady steps plus the hand-off spread
+        # over its gaps (a slow hand-off, a cold start's say, weighs as one gap in eight).
         return min(fitting, key=lambda c: (c.tbt_s + c.handoff_s / _RANK_GAPS,
                                            c.info.instance_id))
 
