@@ -87,17 +87,19 @@ async def replay_point(api: bs.Api, prompts: bs.Prompts, trace: list[rt.TraceReq
 
 def estimate_ratios(url: str) -> dict[str, float]:
     """The conductor's measured / estimated TTFT and TBT quantiles (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
     out = {}
-    for line in text.splitlines():
-        if line.startswith("mooncake_scheduler_") and "_measured_over_estimated{" in line:
-            name, value = line.rsplit(" ", 1)
-            key = name.split("mooncake_scheduler_")[1].split("_measured")[0]
-            q = name.split('quantile="')[1].split('"')[0]
-            out[f"{key}_ratio_p{round(float(q) * 100)}"] = float(value)
+    for family in text_string_to_metric_families(text):
+        key = family.name.removeprefix("mooncake_scheduler_")
+        if key != family.name and key.endswith("_measured_over_estimated"):
+            for sample in family.samples:
+                q = round(float(sample.labels["quantile"]) * 100)
+                out[f"{key.split('_')[0]}_ratio_p{q}"] = sample.value
     return out
 
 
