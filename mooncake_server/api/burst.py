@@ -13,12 +13,16 @@ earlier one already in the ledger, and its prefill jobs carry the burst's time a
 (`Order`, ranks counting accepted requests only), which the prefill instance serves its queue
 by: it starts rank r once ranks 0..r-1 of its burst have reached it (or after a short wait), since
 the jobs reach it in any order (each after its own decode reservation) and a long prompt started
-first holds the cores for seconds while the burst's short ones wait behind it.
+first holds the cores for seconds while the burst's short ones wait behind it. Once the whole
+burst is decided, `settle` may revise the results before any request hears its own (the
+conductor renumbers ranks per prefill instance and says which of them share the burst's first
+pass).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Generic, NamedTuple, TypeVar
@@ -26,6 +30,8 @@ from typing import Generic, NamedTuple, TypeVar
 # Long enough to gather a burst's requests as the API parses and tokenizes them (a few ms each
 # here), short against any TTFT SLO.
 BURST_WINDOW_S = 0.02
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -36,6 +42,9 @@ class Order(NamedTuple):
 
     burst_at: float  # wall-clock seconds the burst was decided (comparable across hosts)
     rank: int
+    # Ranks 0..pass_ranks-1 of the burst run in one pass: the instance waits for all of them
+    # before starting it (a short wait), not only for those ranked before its head.
+    pass_ranks: int = 0
 
 
 class _Waiting(NamedTuple, Generic[T, R]):
@@ -49,8 +58,10 @@ class BurstGate(Generic[T, R]):
     """Gathers the items waiting for admission and decides them together, cheapest first."""
 
     def __init__(self, decide: Callable[[T, Order], R], *, window_s: float = BURST_WINDOW_S,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 settle: Callable[[list[R]], list[R]] | None = None) -> None:
         self._decide = decide
+        self._settle = settle
         self.window_s = window_s
         self._wall_clock = wall_clock
         self._waiting: list[_Waiting[T, R]] = []
@@ -74,6 +85,7 @@ class BurstGate(Generic[T, R]):
         self.bursts += 1
         at = self._wall_clock()
         rank = 0  # counts the accepted only: the prefill instance waits for ranks 0..r-1
+        decided: list[tuple[_Waiting[T, R], R]] = []
         for w in sorted(burst, key=lambda w: (w.cost, w.arrived)):
             if w.answer.done():  # its client went away while the burst gathered
                 continue
@@ -84,4 +96,13 @@ class BurstGate(Generic[T, R]):
                 continue
             if result is not None:
                 rank += 1
-            w.answer.set_result(result)
+            decided.append((w, result))
+        results = [r for _, r in decided]
+        if self._settle is not None and decided:
+            try:
+                results = self._settle(results)
+            except Exception:  # noqa: BLE001 - a bug there must not leave the burst unanswered
+                log.exception("settling a burst failed; its decisions stand as made")
+        for (w, _), result in zip(decided, results, strict=True):
+            if not w.answer.done():
+                w.answer.set_result(result)

@@ -10,11 +10,12 @@ it; a process that just had a turn lets a waiting one go first, so a prefill and
 alternate pass by pass. The prefill keeps its passes short (--decode-chunk tokens) while a
 decode has work, which bounds the decode's token gap to about two passes.
 
-The board is a file of fixed slots (pid, active, waiting, handed-in sequences started) mapped by
-every process; the turn is an flock on it (the kernel drops it with a SIGKILLed holder), and a
+The board is a file of fixed slots (pid, active, waiting, handed-in sequences started, last
+pass's compute time) mapped by every process; the turn is an flock on it (the kernel drops it with a SIGKILLed holder), and a
 slot whose pid is gone counts as idle. A decode counts there the sequences prefilled elsewhere
 that it starts, so the prefill beside it can hold its next pass for them
-(roles/prefill/handoff_hold.py).
+(roles/prefill/handoff_hold.py), and every process posts its last pass's time, which sizes the
+passes of a prefill beside a decode (cost_model/passes.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SLOTS = 64
-_SLOT = struct.Struct("<qqqq")  # pid, active, waiting for the turn, handed-in sequences started
+# pid, active, waiting for the turn, handed-in sequences started, last pass's compute (us)
+_SLOT = struct.Struct("<qqqqq")
 _LAST = struct.Struct("<q")  # after the slots: pid of the last turn's holder
 _BOARD_BYTES = _SLOTS * _SLOT.size + _LAST.size
 _YIELD_S = 0.0005  # how long a process that just had the turn steps aside for a waiting one
@@ -69,6 +71,7 @@ class CoreBudget:
         self._active = 0
         self._waiting = 0
         self._handed_in = 0
+        self._step_us = 0
         self._slot_lock = threading.Lock()
         log.info("core budget %d shared through %s (slot %d)", self.budget, path, self._slot)
 
@@ -76,7 +79,7 @@ class CoreBudget:
         for i in range(_SLOTS):
             pid = _SLOT.unpack_from(self._map, i * _SLOT.size)[0]
             if pid == 0 or pid == self.pid or not _pid_alive(pid):
-                _SLOT.pack_into(self._map, i * _SLOT.size, self.pid, 0, 0, 0)
+                _SLOT.pack_into(self._map, i * _SLOT.size, self.pid, 0, 0, 0, 0)
                 return i
         raise RuntimeError(f"core budget board full ({_SLOTS} engine processes)")
 
@@ -90,13 +93,13 @@ class CoreBudget:
         # fields under the lock, so the last one written carries every thread's last change.
         with self._slot_lock:
             _SLOT.pack_into(self._map, self._slot * _SLOT.size, self.pid, self._active,
-                            self._waiting, self._handed_in)
+                            self._waiting, self._handed_in, self._step_us)
 
     def _others(self, field: int) -> int:
         """Live engine processes other than this one whose slot has `field` (1 active, 2 waiting)."""
         return sum(1 for slot in self._other_slots() if slot[field])
 
-    def _other_slots(self) -> Iterator[tuple[int, int, int, int]]:
+    def _other_slots(self) -> Iterator[tuple[int, ...]]:
         """The slots of live engine processes other than this one (liveness re-read each second)."""
         now = time.monotonic()
         if now - self._checked_at > _LIVENESS_EVERY_S:
@@ -132,6 +135,15 @@ class CoreBudget:
     def others_handed_in(self) -> int:
         """Handed-in sequences that live engine processes other than this one have started."""
         return sum(slot[3] for slot in self._other_slots())
+
+    def note_step(self, compute_s: float) -> None:
+        """Post this process's last pass time (a prefill beside it sizes its passes by it)."""
+        self._step_us = int(compute_s * 1e6)
+        self._write_slot()
+
+    def others_step_s(self) -> float:
+        """The longest last pass of the other live engine processes that have work (0.0: none)."""
+        return max((slot[4] for slot in self._other_slots() if slot[1]), default=0) / 1e6
 
     def others_waiting(self) -> int:
         """Engine processes other than this one waiting for the turn now."""
@@ -169,7 +181,7 @@ class CoreBudget:
     def close(self) -> None:
         """Free the slot."""
         try:
-            _SLOT.pack_into(self._map, self._slot * _SLOT.size, 0, 0, 0, 0)
+            _SLOT.pack_into(self._map, self._slot * _SLOT.size, 0, 0, 0, 0, 0)
             self._map.close()
         finally:
             os.close(self._fd)
@@ -198,6 +210,13 @@ class FixedThreads:
     def others_handed_in(self) -> int:
         """No board: no other engine is known."""
         return 0
+
+    def note_step(self, compute_s: float) -> None:
+        """Nobody to tell."""
+
+    def others_step_s(self) -> float:
+        """No board: no other engine is known."""
+        return 0.0
 
     def enter_step(self) -> int:
         """Set the fixed team on the forward thread (once per thread is enough, but cheap)."""

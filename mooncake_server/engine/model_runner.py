@@ -144,6 +144,7 @@ class ModelRunner:
         finally:
             self.cores.exit_step()
             self.last_wait_s, self.last_compute_s = began - asked, time.perf_counter() - began
+            self.cores.note_step(self.last_compute_s)
 
     def _forward(self, items: Seq[StepItem],
                  on_layer: Callable[[int], None] | None) -> torch.Tensor:

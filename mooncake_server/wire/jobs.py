@@ -90,7 +90,9 @@ class PrefillJob(BaseModel):
     # Its place in the instance's queue, decided by the conductor's burst admission: the
     # burst's wall-clock time, then its rank in the burst (None: in order of arrival).
     burst_at: float | None = None
-    burst_rank: int = 0
+    burst_rank: int = 0  # among the burst's jobs sent to this instance
+    # Ranks 0..burst_pass-1 run in one pass: the instance waits for all of them (0: no such pass).
+    burst_pass: int = Field(default=0, ge=0)
     # Start it within this many seconds of its arrival or turn it away (429): later, it would
     # miss its TTFT SLO. None: no deadline.
     start_within_s: float | None = None

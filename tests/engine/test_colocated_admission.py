@@ -59,14 +59,30 @@ async def test_a_burst_is_admitted_cheapest_first_and_the_rest_refused(tiny_mode
 
 
 def test_passes_beside_decoding_rows_fit_the_tbt_slo(tiny_model_pair) -> None:
-    """Four rows step in 40 ms; a 100 ms SLO leaves 60 ms: 10 ms + 48 tokens. Passes measured
-    twice as slow as modelled leave room for the smallest chunk only."""
+    """Four rows step in 40 ms; a 200 ms SLO gives their gap 150 ms (the loop's own work takes
+    the rest): 40 + 10 ms + 96 tokens. Prompt tokens measured twice as slow as modelled leave
+    room for 32."""
     _, paged = tiny_model_pair
-    _, _, admission = engine(paged, tbt_slo=0.1)
-    assert admission.chunk_for(4, 100) == 48
+    _, _, admission = engine(paged, tbt_slo=0.2)
+    assert admission.chunk_for(4, 100) == 96
     for _ in range(30):
-        admission.observed(48, 4, 100, 2 * 0.098)
-    assert admission.chunk_for(4, 100) == 16
+        admission.observed(96, 4, 100, 0.04 + 2 * MODEL.prefill_s(96))
+    assert admission.chunk_for(4, 100) == 32
+
+
+async def test_what_a_bursts_first_pass_leaves_runs_in_cut_passes(tiny_model_pair) -> None:
+    """An idle engine computes up to --prefill-chunk prompt tokens in its next pass; the rest
+    runs beside the rows that pass made, in chunks sized to their gap. Estimated at full speed,
+    a burst's 1,518-token prompt was admitted at 1.25 s and answered far past its SLO."""
+    _, paged = tiny_model_pair
+    backend, _, admission = engine(paged, ttft_slo=5.0, tbt_slo=0.2)
+    await admission.admit(request("big", 2000), backend._choices(request("big", 2000)))
+    ttft, tbt, own = admission.estimate(500)
+    # 2048 tokens at full speed (2.058 s); 452 beside one row (25 ms steps): chunks of 112
+    # (10 + 112 + 25 ms = 147 ms <= 150 ms): 4 x 147 ms + (10 + 4 + 25) ms.
+    assert ttft == pytest.approx(2.058 + 0.588 + 0.039)
+    assert own == pytest.approx(0.01 + 0.048 + 0.588 + 0.039)
+    assert tbt == pytest.approx(0.15)  # prompts that come beside it: 0.75 of the SLO
 
 
 def test_a_cold_first_pass_does_not_make_an_idle_engine_refuse(tiny_model_pair) -> None:
@@ -79,7 +95,8 @@ def test_a_cold_first_pass_does_not_make_an_idle_engine_refuse(tiny_model_pair) 
     for i in range(3):
         admission.observed(0, 1, 17 + i, 0.33 * MODEL.decode_step_s(1, 17 + i))
     ttft, tbt, _ = admission.estimate(128)
-    assert tbt == pytest.approx(0.33 * MODEL.decode_step_s(1, 128), rel=0.01)
+    assert admission.decode_ratio == pytest.approx(0.33, rel=0.01)
+    assert tbt <= 0.2
     assert ttft < 0.33 * MODEL.prefill_s(128) * 1.01  # the prefill ratio: decode's, until 3
 
 

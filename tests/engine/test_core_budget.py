@@ -35,7 +35,9 @@ class _Neighbour:
                 "    elif cmd == 'exit': b.exit_step(); print('out', flush=True)\n"
                 "    elif cmd == 'active': b.set_active(True); print('ok', flush=True)\n"
                 "    elif cmd == 'waiting': print(b.others_waiting(), flush=True)\n"
-                "    elif cmd == 'handed': b.note_handed_in(2); print('ok', flush=True)\n")
+                "    elif cmd == 'handed': b.note_handed_in(2); print('ok', flush=True)\n"
+                "    elif cmd == 'step': b.note_step(0.075); print('ok', flush=True)\n"
+                "    elif cmd == 'idle': b.set_active(False); print('ok', flush=True)\n")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         assert self.read() == "ok"
@@ -134,10 +136,26 @@ def test_a_decode_tells_the_board_when_handed_sequences_start(pair) -> None:
     assert me.others_handed_in() == 0
 
 
+def test_a_busy_neighbours_last_pass_time_is_on_the_board(pair) -> None:
+    """A prefill sizes its passes by the step of the decode beside it; an idle decode's old
+    step does not count."""
+    me, other = pair
+    for cmd in ("step", "active"):
+        other.send(cmd)
+        assert other.read() == "ok"
+    me.note_step(0.5)  # a process's own pass is not another's
+    assert me.others_step_s() == pytest.approx(0.075)
+    other.send("idle")
+    assert other.read() == "ok"
+    assert me.others_step_s() == 0.0
+
+
 def test_pinned_threads_ignore_the_board(tmp_path) -> None:
     fixed = core_budget_for(str(tmp_path / "cores"), 2, torch_threads=1)
     assert fixed.enter_step() == 1 and fixed.others_active() == 0
     fixed.exit_step()
+    fixed.note_step(0.1)
+    assert fixed.others_step_s() == 0.0
     assert not os.path.exists(tmp_path / "cores")
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mooncake_server.cost_model.perf_model import PerfModel
-from mooncake_server.roles.prefill.chunk_budget import MIN_CHUNK, ChunkBudget
+from mooncake_server.cost_model.passes import MIN_CHUNK
+from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
 from mooncake_server.roles.prefill.worker import HANDOFF_GRACE_S, decode_beside
 from mooncake_server.wire.instances import PassSplit
 
@@ -26,15 +27,18 @@ def test_without_a_tbt_slo_the_decode_chunk_is_the_chunk() -> None:
     assert ChunkBudget(256).tokens() == 256
 
 
-def test_a_pass_is_sized_to_half_the_tbt_slo_by_its_measured_speed() -> None:
+def test_a_pass_gets_what_the_decode_step_leaves_of_the_gap_by_its_measured_speed() -> None:
     clock = Clock()
     chunks = ChunkBudget(256, MODEL, tbt_slo_s=0.2, clock=clock)
-    assert chunks.tokens() == 90  # 10 + 90 ms = 100 ms, half the SLO
+    assert chunks.tokens(decode_step_s=0.05) == 90  # 50 + 10 + 90 ms = 150 ms: 0.75 of the SLO
+    assert chunks.tokens(decode_step_s=0.0) == 140
+    # A heavy batch's step leaves less than the least pass: the pass keeps 0.2 of the SLO.
+    assert chunks.tokens(decode_step_s=0.14) == 30
     for _ in range(30):  # this machine runs passes twice as slow as the model
         chunks.observe(tokens=64, cached_tokens=0, compute_s=2 * MODEL.prefill_s(64))
-    assert chunks.tokens() == 40  # 2 x (10 + 40) ms = 100 ms
+    assert chunks.tokens(decode_step_s=0.05) == 40  # 2 x (10 + 40) ms = 100 ms
     clock.now += 61.0  # no pass for the horizon: the model's own times again
-    assert chunks.tokens() == 90
+    assert chunks.tokens(decode_step_s=0.05) == 90
 
 
 def test_a_slow_machine_still_gets_the_smallest_useful_chunk() -> None:
@@ -53,13 +57,14 @@ def test_it_reports_the_passes_a_prompt_would_get_now() -> None:
     chunks.observe(1024, 0, MODEL.prefill_s(1024), wait_s=0.0, beside_decode=False)
     split = chunks.split(shared=True, idle_chunk=2048)
     assert split is not None and split.shared
-    assert split.chunk_tokens == 2048 and split.cut_tokens == chunks.tokens() < 64
+    assert split.chunk_tokens == 2048 and split.cut_tokens == chunks.tokens() < 75
     assert split.ratio == pytest.approx(1.0)  # the full pass ran as modelled
     assert split.cut_ratio == pytest.approx(2.0)
     assert split.wait_s == pytest.approx(0.04)  # their mean; the full pass left out
     clock.now += 61.0  # nothing recent: the model's own times, and no wait known
     assert chunks.split(shared=False, idle_chunk=2048) == PassSplit(
-        chunk_tokens=2048, cut_tokens=90, ratio=1.0, cut_ratio=1.0, wait_s=0.0, shared=False)
+        chunk_tokens=2048, cut_tokens=140, ratio=1.0, cut_ratio=1.0, wait_s=0.0, shared=False)
+    assert chunks.split(False, 2048, decode_step_s=0.05).cut_tokens == 90  # the decode's step
     assert ChunkBudget(256).split(True, 2048) is None  # no --tbt-slo: nothing to report
 
 
@@ -71,7 +76,8 @@ def test_ttft_is_estimated_from_mean_speeds_and_a_pass_sized_by_the_slower_half(
         chunks.observe(40, 0, ratio * MODEL.prefill_s(40), beside_decode=True)
     split = chunks.split(shared=True, idle_chunk=2048)
     assert split is not None and split.cut_ratio == pytest.approx(1.5)  # (1 + 1 + 1 + 3) / 4
-    assert chunks.tokens() == 40  # sized at 2x (the slower half): 2 x (10 + 40) ms = 100 ms
+    # sized at 2x (the slower half): 2 x (10 + 40) ms = 100 ms beside a 50 ms step
+    assert chunks.tokens(decode_step_s=0.05) == 40
 
 
 class Board:

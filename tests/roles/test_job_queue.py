@@ -92,3 +92,21 @@ def test_a_rank_waits_for_the_ranks_before_it_to_arrive() -> None:
     assert q.take(budget_tokens=100)[0] == [] and q.hold_s > 0
     clock.now += ORDER_WAIT_S + 0.01
     assert ids(q.take(budget_tokens=100)[0]) == ["orphan-rank3"]
+
+
+def test_the_ranks_of_a_first_pass_wait_for_one_another() -> None:
+    """The conductor predicted ranks 0-2 in one pass: started with the first arrivals, the rest
+    would run in later passes beside their decode, seconds later."""
+    clock = Clock()
+    q = JobQueue(clock)
+
+    def member(rid: str, rank: int) -> Task:
+        t = task(rid, 100, burst_at=1000.0, rank=rank)
+        t.job = t.job.model_copy(update={"burst_pass": 3})
+        return t
+
+    q.push(member("r0", 0))
+    q.push(member("r1", 1))
+    assert q.take(budget_tokens=2048)[0] == [] and q.hold_s == ORDER_WAIT_S
+    q.push(member("r2", 2))
+    assert ids(q.take(budget_tokens=2048)[0]) == ["r0", "r1", "r2"]

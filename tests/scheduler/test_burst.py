@@ -149,9 +149,69 @@ async def test_a_bursts_own_jobs_do_not_count_as_cutting_its_passes() -> None:
     got = await burst(s, {"one": 1, "mid": 500})
     mid = got["mid"]
     assert isinstance(mid, Plan)
-    # Full speed: 11 ms for the 1-token job ahead, then 10 + 500 ms; cut, it would be 5 x
-    # (10 + 100 + 50 ms) = 0.8 s of its own.
-    assert mid.prefill_estimate.ttft_s == pytest.approx(0.011 + 0.51)
+    # Full speed, in one pass with the 1-token job (whose 10 ms per pass it does not pay
+    # again): 11 + 500 ms; cut, it would be 5 x (10 + 100 + 50 ms) = 0.8 s of its own.
+    assert mid.prefill_estimate.ttft_s == pytest.approx(0.011 + 0.5)
     later = await burst(s, {"later": 500})  # behind the first burst's work: cut passes
     assert isinstance(later["later"], Plan)
     assert later["later"].prefill_estimate.compute_s == pytest.approx(5 * 0.16)
+
+
+def shared_prefill(s: KVCacheScheduler, chunk_tokens: int = 2048) -> None:
+    """p1 shares its cores with a decode: 100-token cut passes waiting 50 ms each beside it."""
+    from mooncake_server.wire.instances import Heartbeat, PassSplit
+
+    s.registry.heartbeat(Heartbeat(instance_id="p1", passes=PassSplit(
+        chunk_tokens=chunk_tokens, cut_tokens=100, ratio=1.0, cut_ratio=1.0, wait_s=0.05,
+        shared=True)))
+
+
+async def test_a_prompt_beyond_the_bursts_first_pass_is_estimated_in_cut_passes() -> None:
+    """The instance batches the burst's prompts into one full pass while they fit its chunk;
+    the next one runs after it, beside that pass's requests decoding, in cut passes that each
+    wait for their step. Estimated at full speed it was accepted and missed its TTFT by 2x;
+    estimated as it runs, it is refused at once."""
+    s = scheduler(Clock(), ttft_slo=1.0)
+    shared_prefill(s, chunk_tokens=600)
+    got = await burst(s, {"a": 200, "b": 300, "c": 400})
+    a, b = got["a"], got["b"]
+    assert isinstance(a, Plan) and isinstance(b, Plan)
+    assert a.first_pass and b.first_pass
+    # c: after the 0.51 s pass (one 10 ms fixed cost), 4 cut passes of 10 + 100 ms, each
+    # after a wait for the step of the 2 sequences decoding (30 ms; the 50 ms measured is
+    # longer): 1.15 s > 1 s.
+    assert isinstance(got["c"], SLORejected) and "estimated TTFT 1.15 s" in str(got["c"])
+    # Both answer when their shared pass ends; they wait for each other at the instance.
+    assert a.prefill_estimate.ttft_s == b.prefill_estimate.ttft_s == pytest.approx(0.51)
+    assert (a.order.rank, a.order.pass_ranks) == (0, 2)  # type: ignore[union-attr]
+    assert (b.order.rank, b.order.pass_ranks) == (1, 2)  # type: ignore[union-attr]
+    # The pass starts once, for both: by the SLO less the whole pass, from placement.
+    assert a.start_by == pytest.approx(b.start_by) and b.start_by is not None
+
+
+async def test_ranks_are_counted_per_prefill_instance() -> None:
+    """An instance waits for the ranks before its head: ranks sent to another instance would
+    never come, so each instance's jobs are ranked 0.. among themselves."""
+    s = KVCacheScheduler(cluster(2, 1, clock=Clock()), MODEL, block_tokens=BT,
+                         policy="load", ttft_slo_s=5.0, tracker=LoadTracker(Clock()),
+                         rng=random.Random(0), burst_window_s=0.0)
+    got = await burst(s, {"a": 100, "b": 200, "c": 300, "d": 400})
+    plans = [p for p in got.values() if isinstance(p, Plan)]
+    assert len(plans) == 4
+    for iid in ("p1", "p2"):
+        ranks = sorted(p.order.rank for p in plans  # type: ignore[union-attr]
+                       if p.prefill.instance_id == iid)
+        assert ranks == list(range(len(ranks))) and ranks
+
+
+async def test_a_decode_beside_a_prefill_is_judged_with_the_pass_it_will_wait_for() -> None:
+    """Prompts that come while a request decodes run beside its steps, in passes sized to what
+    the step leaves of 0.75 of the TBT SLO (at least 0.2 of it): its TBT estimate counts them."""
+    s = scheduler(Clock(), ttft_slo=5.0, tbt_slo=0.2)
+    alone = await burst(s, {"alone": 50})
+    shared_prefill(s)
+    beside = await burst(s, {"beside": 50})
+    a, b = alone["alone"], beside["beside"]
+    assert isinstance(a, Plan) and isinstance(b, Plan)
+    assert a.tbt_s == pytest.approx(0.025)  # its own step: no prefill on its cores
+    assert b.tbt_s == pytest.approx(0.15)  # 2 sequences' 30 ms step + the 120 ms pass it leaves

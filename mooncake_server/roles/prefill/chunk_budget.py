@@ -4,9 +4,10 @@ On one machine a decode's token gap is its own step plus the prefill pass it wai
 processes take turns on the cores, engine/core_budget.py). With --decode-chunk alone (256
 tokens: ~0.25 s on the 2-core AMX machine here) every gap that straddled a pass broke a 200 ms
 TBT SLO, and a request's TBT is the mean of its longest tenth of gaps, so a few such gaps are
-enough. With --tbt-slo the chunk is sized instead so that a pass takes at most `PASS_SHARE` of
-the SLO: the cost model's prefill time, calibrated by this instance's own passes (their compute
-time, not the wait for the turn), picks the largest chunk that fits.
+enough. With --tbt-slo the chunk is sized instead so that the decode's step and one pass fit the
+SLO (cost_model/passes.py; the decode posts its step on the core board): the cost model's prefill
+time, calibrated by this instance's own passes (their compute time, not the wait for the turn),
+picks the largest chunk that fits.
 
 What it measured is also what the conductor needs to predict a prompt's TTFT under such cuts
 (`split`): a prompt beside a busy decode is computed in passes of `tokens()`, each at the
@@ -23,13 +24,10 @@ from mooncake_server.cost_model.calibration import (
     TailMeanCalibration,
     TailSeconds,
 )
+from mooncake_server.cost_model.passes import chunk_fitting, pass_budget_s
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.wire.instances import PassSplit
 
-# The rest of the SLO is the decode's own step (and the time its batch waits to be sent).
-PASS_SHARE = 0.5
-# Smaller chunks re-read every weight for a few tokens each; below this a prompt crawls.
-MIN_CHUNK = 16
 # How long a pass's measured speed counts: it is the machine's (and its neighbours'), which
 # changes slowly, and prompts may come tens of seconds apart; forgotten after 10 s, most
 # prompts met a cut pass speed never measured.
@@ -45,7 +43,7 @@ class ChunkBudget:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cap = cap
         self.model = model if tbt_slo_s is not None else None
-        self.budget_s = (tbt_slo_s or 0.0) * PASS_SHARE
+        self.tbt_slo_s = tbt_slo_s or 0.0
 
         # NOTE: clamped wider than the conductor's (0.25..8): a machine several times slower
         # than the built-in profile must still get chunks that fit. Not a moving average from
@@ -88,28 +86,21 @@ class ChunkBudget:
         chosen = first if first.recent or not other.recent else other
         return chosen.mean if mean else chosen.value
 
-    def split(self, shared: bool, idle_chunk: int) -> PassSplit | None:
+    def split(self, shared: bool, idle_chunk: int, decode_step_s: float = 0.0) -> PassSplit | None:
         """How a prompt's passes go, for the conductor's TTFT estimate (None without
         --tbt-slo). `idle_chunk`: the chunk while no decode on these cores (`shared`) has work."""
         if self.model is None:
             return None
-        return PassSplit(chunk_tokens=idle_chunk, cut_tokens=min(idle_chunk, self.tokens()),
+        return PassSplit(chunk_tokens=idle_chunk,
+                         cut_tokens=min(idle_chunk, self.tokens(decode_step_s)),
                          ratio=self._ratio(cut=False, mean=True),
                          cut_ratio=self._ratio(cut=True, mean=True),
                          wait_s=self._waits.mean, shared=shared)
 
-    def tokens(self) -> int:
-        """Prompt tokens the next pass may carry while a decode waits for the cores."""
+    def tokens(self, decode_step_s: float = 0.0) -> int:
+        """Prompt tokens the next pass may carry while a decode whose steps take
+        `decode_step_s` waits for the cores."""
         if self.model is None:
             return self.cap
-        cal = self._ratio(cut=True)
-        lo, hi = MIN_CHUNK, self.cap
-        if self.model.prefill_s(lo) * cal >= self.budget_s:
-            return min(lo, hi)
-        while lo < hi:  # the largest chunk whose calibrated pass fits the budget
-            mid = (lo + hi + 1) // 2
-            if self.model.prefill_s(mid) * cal <= self.budget_s:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        budget = pass_budget_s(self.tbt_slo_s, decode_step_s)
+        return chunk_fitting(self.model, self._ratio(cut=True), budget, self.cap)

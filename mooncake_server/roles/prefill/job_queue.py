@@ -3,7 +3,8 @@
 Jobs carry their burst's time and their rank in it (`PrefillJob.burst_at`, `burst_rank`): the
 cheapest jobs of a burst first, earlier bursts before later ones. A job without them counts as a
 burst of its own, decided when it arrived. Rank r of a burst waits until ranks 0..r-1 have arrived
-(at most `ORDER_WAIT_S`): the jobs reach the instance in any order, and a long one started first
+(at most `ORDER_WAIT_S`), and the ranks that share the burst's first pass (`burst_pass`) wait for
+one another the same way: the jobs reach the instance in any order, and a long one started first
 held the cores for seconds while the burst's short ones waited behind it (a replay's cheapest
 requests, estimated at 0.02-0.8 s, answered at 3.7 s). A job that also carries `start_within_s` and has
 waited longer than that is turned away before any work (`LateForSLO`, HTTP 429): started now, it
@@ -65,12 +66,14 @@ class JobQueue:
                 del self._arrived[min(self._arrived)]
 
     def _waits_for_earlier(self, task: Waiting, now: float) -> float:
-        """Seconds the job still waits for its burst's earlier ranks (0.0: none)."""
+        """Seconds the job still waits for its burst's earlier ranks, or for every rank of the
+        first pass it belongs to (0.0: none)."""
         job = task.job
-        if job.burst_at is None or job.burst_rank == 0:
+        if job.burst_at is None:
             return 0.0
+        needed = job.burst_pass if job.burst_rank < job.burst_pass else job.burst_rank
         arrived = self._arrived.get(job.burst_at, set())
-        if all(r in arrived for r in range(job.burst_rank)):
+        if all(r in arrived for r in range(needed)):
             return 0.0
         return max(0.0, ORDER_WAIT_S - (now - task.queued_at))
 

@@ -437,8 +437,9 @@ class PrefillWorker:
 
     def pass_split(self) -> PassSplit | None:
         """How a prompt is computed here (heartbeats; None without --tbt-slo)."""
-        return self.chunks.split(bool(self.runner.cores.others_present()),
-                                 self.config.prefill_chunk_tokens)
+        cores = self.runner.cores
+        return self.chunks.split(bool(cores.others_present()), self.config.prefill_chunk_tokens,
+                                 cores.others_step_s())
 
     def _beside_decode(self) -> bool:
         return decode_beside(self.runner.cores, self._answered_at, time.monotonic())
@@ -452,7 +453,8 @@ class PrefillWorker:
         cores back soon after a decode beside it wakes (no long oversubscribed stretch).
         """
         if self._beside_decode():
-            return min(self.config.prefill_chunk_tokens, self.chunks.tokens())
+            return min(self.config.prefill_chunk_tokens,
+                       self.chunks.tokens(self.runner.cores.others_step_s()))
         return self.config.prefill_chunk_tokens
 
     async def _finish_writes(self, task: _Task, checksums: list[int]) -> None:

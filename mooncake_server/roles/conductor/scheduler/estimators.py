@@ -51,19 +51,26 @@ class Passes(NamedTuple):
 
 
 def prefill_compute_s(model: PerfModel, new_tokens: int, cached_tokens: int, *,
-                      calibration: float = 1.0, passes: Passes | None = None) -> float:
+                      calibration: float = 1.0, passes: Passes | None = None,
+                      joins_pass: bool = False) -> float:
     """Prefill time of `new_tokens` after `cached_tokens`: the model x `calibration`, or with
-    the instance's `passes`, pass by pass (its own ratio, and each pass's wait for the cores)."""
+    the instance's `passes`, pass by pass (its own ratio, and each pass's wait for the cores).
+
+    `joins_pass`: its first pass is one that other prompts already pay for (a burst's first
+    pass): its fixed cost is not charged again (charged per prompt, ten 1-token prompts of a
+    burst added 0.7 s to the estimates behind them).
+    """
+    shared = model.prefill_c if joins_pass and new_tokens > 0 else 0.0
     if passes is None:
-        return model.prefill_s(new_tokens, cached_tokens) * calibration
+        return (model.prefill_s(new_tokens, cached_tokens) - shared) * calibration
     modelled, n = model.chunked_prefill_s(new_tokens, cached_tokens, passes.chunk_tokens)
-    return modelled * passes.ratio + n * passes.wait_s
+    return (modelled - shared) * passes.ratio + n * passes.wait_s
 
 
 def estimate_prefill(model: PerfModel, instance_id: str, prompt_tokens: int, *,
                      local_tokens: int, remote_tokens: int, queue_s: float,
-                     calibration: float = 1.0,
-                     passes: Passes | None = None) -> PrefillEstimate:
+                     calibration: float = 1.0, passes: Passes | None = None,
+                     joins_pass: bool = False) -> PrefillEstimate:
     """TTFT if `instance_id` serves a prompt of `prompt_tokens`.
 
     Args:
@@ -72,6 +79,7 @@ def estimate_prefill(model: PerfModel, instance_id: str, prompt_tokens: int, *,
         queue_s: time before the instance can start (already calibrated).
         calibration: measured / modelled prefill time on this instance.
         passes: the instance's own account of its passes; replaces `calibration` when given.
+        joins_pass: it joins a pass other prompts already pay for (`prefill_compute_s`).
     """
     local = min(local_tokens, prompt_tokens)
     remote = min(max(remote_tokens, local), prompt_tokens)
@@ -79,7 +87,8 @@ def estimate_prefill(model: PerfModel, instance_id: str, prompt_tokens: int, *,
         calibration = 1.0
 
     def compute(new: int, cached: int) -> float:
-        return prefill_compute_s(model, new, cached, calibration=calibration, passes=passes)
+        return prefill_compute_s(model, new, cached, calibration=calibration, passes=passes,
+                                 joins_pass=joins_pass)
 
     stay = compute(prompt_tokens - local, local)
     fetch_transfer = model.transfer_s(remote - local)

@@ -13,7 +13,8 @@ If `--ttft-slo` / `--tbt-slo` cannot be met by the chosen pair, the request is r
 (HTTP 429 + Retry-After) instead of queueing behind work that would break its SLO. With SLOs,
 requests that arrive together are decided together, cheapest first (api/burst.py); each accepted
 one's prefill must start by a deadline (`Plan.start_by`), or the prefill instance turns it away
-with 429 before computing it. TBT is the decode's steady steps; the hand-off from prefill to
+with 429 before computing it. A burst's prompts that fit the instance's first full pass are
+estimated in it; the rest in cut passes beside the decode of that pass's requests (bursts.py). TBT is the decode's steady steps; the hand-off from prefill to
 decode (KV load, joining the batch) is time to the second token, budgeted as TTFT + TBT.
 The plan also says what the prefill instance may reuse (`PrefillJob.reuse`): `global` (fetch the
 prefix it lacks from the store) only under cache-global when the estimate chose fetching;
@@ -36,8 +37,10 @@ from typing import NamedTuple
 
 from mooncake_server.api.backend import BackendError, GenerateRequest
 from mooncake_server.api.burst import BURST_WINDOW_S, BurstGate, Order
+from mooncake_server.cost_model.passes import chunk_fitting, pass_budget_s
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.conductor.registry import InstanceRegistry
+from mooncake_server.roles.conductor.scheduler.bursts import BurstState, settle
 from mooncake_server.roles.conductor.scheduler.estimators import (
     Passes,
     PrefillEstimate,
@@ -92,6 +95,8 @@ class Plan(NamedTuple):
     # With --ttft-slo: the time.monotonic() by which its prefill must start to meet it (real
     # time, whatever clock the ledger runs on: the request path compares it with the wall).
     start_by: float | None = None
+    first_pass: bool = False  # its prefill joins its burst's first full pass (bursts.py)
+    request_id: str = ""
 
 
 class _DecodeChoice(NamedTuple):
@@ -126,9 +131,9 @@ class KVCacheScheduler:
         self.outcomes = RequestOutcomes(ttft_slo_s, tbt_slo_s)
         self._rng = rng or random.Random()
         self.gate: BurstGate[tuple[GenerateRequest, dict[str, int]], Plan | None] = BurstGate(
-            lambda item, order: self._place(*item, order=order), window_s=burst_window_s)
-        # The burst being decided, and how many of its requests each instance got so far.
-        self._burst: tuple[float | None, dict[str, int]] = (None, {})
+            lambda item, order: self._place(*item, order=order), window_s=burst_window_s,
+            settle=self._settle)
+        self._burst = BurstState()  # the burst being decided: what was placed where
 
     # ---- Algorithm 1 --------------------------------------------------------------------------
 
@@ -153,8 +158,8 @@ class KVCacheScheduler:
                order: Order | None = None) -> Plan | None:
         """Decide, then record the placement in the ledger."""
         burst_at = order.burst_at if order is not None else None
-        if burst_at is None or self._burst[0] != burst_at:
-            self._burst = (burst_at, {})
+        if burst_at is None or self._burst.at != burst_at:
+            self._burst = BurstState(burst_at)
         plan = self.decide(request, hits)
         if plan is not None:
             est = plan.prefill_estimate
@@ -167,10 +172,19 @@ class KVCacheScheduler:
             start_by = (None if self.ttft_slo_s is None else
                         time.monotonic() + self.ttft_slo_s - est.compute_s - est.transfer_s)
             plan = plan._replace(order=order, start_by=start_by)
-            placed = self._burst[1]
-            for iid in (est.instance_id, plan.decode.instance_id):
-                placed[iid] = placed.get(iid, 0) + 1
+            self._burst.record(est.instance_id, plan.decode.instance_id,
+                               len(request.prompt_token_ids), plan.first_pass)
         return plan
+
+    def _settle(self, plans: list[Plan | None]) -> list[Plan | None]:
+        """A decided burst's plans as its prefill instances will run them (bursts.settle)."""
+        settled = settle(plans)
+        for before, after in zip(plans, settled, strict=True):
+            if after is not None and before is not None and after.prefill_estimate != \
+                    before.prefill_estimate:
+                self.outcomes.placed(after.request_id, after.prefill_estimate.ttft_s,
+                                     after.tbt_s)
+        return settled
 
     def decide(self, request: GenerateRequest, hits: dict[str, int]) -> Plan | None:
         """The placement for `request` given prefix hits (blocks); raises SLORejected."""
@@ -180,7 +194,8 @@ class KVCacheScheduler:
             return None
         n = len(request.prompt_token_ids)
         busy_step = self._busiest_decode_step(decodes)
-        estimates = [self._estimate(info, n, hits, busy_step) for info in prefills]
+        burst_step = self._busiest_decode_step(decodes, with_burst=True)
+        estimates = [self._estimate(info, n, hits, busy_step, burst_step) for info in prefills]
         choices = [self._decode_choice(info, request) for info in decodes]
         if self.policy is Policy.RANDOM:
             best_p = self._rng.choice(estimates)
@@ -200,8 +215,11 @@ class KVCacheScheduler:
         prefill = next(i for i in prefills if i.instance_id == best_p.instance_id)
         reuse = ("global" if self.policy is Policy.CACHE_GLOBAL and best_p.fetched_tokens
                  else "local")
+        beat = self.registry.load(best_p.instance_id)
+        first_pass = self._first_pass(best_p.instance_id, beat, busy_step, n)
         return Plan(prefill, best_d.info, best_p, best_d.tbt_s, reuse,
-                    cached_blocks=hits.get(STORE_WIDE, 0))
+                    cached_blocks=hits.get(STORE_WIDE, 0), first_pass=first_pass,
+                    request_id=request.request_id)
 
     def _best_decode(self, choices: list[_DecodeChoice]) -> _DecodeChoice:
         if self.policy is Policy.RANDOM:
@@ -215,17 +233,20 @@ class KVCacheScheduler:
         return min(fitting, key=lambda c: (c.tbt_s + c.handoff_s / _RANK_GAPS,
                                            c.info.instance_id))
 
-    def _busiest_decode_step(self, decodes: list[InstanceInfo]) -> float:
-        """The longest decode step now, as each decode instance runs its own (0.0 when every
-        decode idles). The bare built-in model (one machine's fp32 steps) charged every cut
-        prefill pass a wait for a step three times the one it waited for here.
+    def _busiest_decode_step(self, decodes: list[InstanceInfo], with_burst: bool = False) -> float:
+        """The longest decode step now (`with_burst`: once the burst being decided decodes too),
+        as each decode instance runs its own (0.0 when every decode idles). The bare built-in
+        model (one machine's fp32 steps) charged every cut prefill pass a wait for a step three
+        times the one it waited for here.
         """
         steps = [0.0]
         for info in decodes:
             beat = self.registry.load(info.instance_id)
             load = self.tracker.decode_load(info.instance_id, beat)
-            if load.batch <= self._burst[1].get(info.instance_id, 0):
+            if not with_burst and load.batch <= self._burst.count(info.instance_id):
                 continue  # only the burst being decided, still to prefill: idle until then
+            if not load.batch:
+                continue
             steps.append(self._own_step_s(info.instance_id, beat,
                                           self.model.decode_step_s(load.batch,
                                                                    load.context_tokens)))
@@ -238,29 +259,53 @@ class KVCacheScheduler:
             return modelled_s * beat.step_ratio
         return modelled_s * self.tracker.decode_calibration(instance_id)
 
-    def _passes(self, instance_id: str, beat: Heartbeat | None,
-                busy_step: float) -> Passes | None:
+    def _passes(self, instance_id: str, beat: Heartbeat | None, busy_step: float,
+                burst_step: float, prompt_tokens: int) -> Passes | None:
         """How a prompt placed now on the instance will be computed, by its own account.
 
-        Its passes are cut while a decode on its cores has work: one does now (`busy_step`), or
-        the jobs queued ahead of this one hand theirs on while it waits. Each cut pass waits
-        for a decode step, at least the modelled step of the largest batch.
+        Its passes are cut while a decode on its cores has work: one does now (`busy_step`), the
+        jobs queued ahead of its burst hand theirs on while it waits, or it runs after its
+        burst's first pass, beside that pass's decoding requests (`burst_step`). Each cut pass
+        waits for a decode step, at least the modelled step of the largest batch, and takes what
+        that step leaves of the TBT SLO (cost_model/passes.py).
         """
         split = beat.passes if beat is not None else None
         if split is None:
             return None
-        # Jobs of the burst being decided run in the same full-speed passes as this one (the
-        # instance batches its queue): only earlier work hands a decode work while it waits.
-        # Counted as cutting, a burst's 500-token prompts were estimated at 5.4 s behind two
-        # 1-token ones, and the burst ran whole in 1.9 s.
-        placed = self._burst[1]
-        queued = self.tracker.prefill_queue_len(instance_id, beat) - placed.get(instance_id, 0)
-        if split.shared and (busy_step > 0 or queued > 0):
-            return Passes(split.cut_tokens, split.cut_ratio, max(split.wait_s, busy_step))
-        return Passes(split.chunk_tokens, split.ratio)
+        if not split.shared:
+            return Passes(split.chunk_tokens, split.ratio)
+        if self._queued_before_burst(instance_id, beat, busy_step):
+            step = busy_step
+        elif not self._burst.fits_first_pass(instance_id, prompt_tokens, split.chunk_tokens):
+            step = max(busy_step, burst_step)
+        else:
+            return Passes(split.chunk_tokens, split.ratio)
+        chunk = split.cut_tokens
+        if self.tbt_slo_s is not None:
+            chunk = chunk_fitting(self.model, split.cut_ratio,
+                                  pass_budget_s(self.tbt_slo_s, step), split.cut_tokens)
+        return Passes(chunk, split.cut_ratio, max(split.wait_s, step))
 
-    def _estimate(self, info: InstanceInfo, prompt_tokens: int,
-                  hits: dict[str, int], busy_step: float) -> PrefillEstimate:
+    def _queued_before_burst(self, instance_id: str, beat: Heartbeat | None,
+                             busy_step: float) -> bool:
+        """A decode has work now, or jobs ahead of the burst being decided do (they hand theirs
+        on while the burst waits). A burst's own jobs do not count: the instance batches them
+        into full passes (counted as cutting, a burst's 500-token prompts were estimated at
+        5.4 s behind two 1-token ones, and the burst ran whole in 1.9 s)."""
+        queued = self.tracker.prefill_queue_len(instance_id, beat) - self._burst.count(instance_id)
+        return busy_step > 0 or queued > 0
+
+    def _first_pass(self, instance_id: str, beat: Heartbeat | None, busy_step: float,
+                    prompt_tokens: int) -> bool:
+        """Whether a prompt placed now on the instance joins its burst's first full pass."""
+        split = beat.passes if beat is not None else None
+        if split is None or not split.shared:
+            return False
+        return (not self._queued_before_burst(instance_id, beat, busy_step)
+                and self._burst.fits_first_pass(instance_id, prompt_tokens, split.chunk_tokens))
+
+    def _estimate(self, info: InstanceInfo, prompt_tokens: int, hits: dict[str, int],
+                  busy_step: float, burst_step: float) -> PrefillEstimate:
         bt = self.block_tokens
         cap = reusable_blocks(prompt_tokens, bt)
         local = min(hits.get(info.instance_id, 0), cap) * bt
@@ -269,11 +314,14 @@ class KVCacheScheduler:
             remote = 0  # an instance reuses only what it holds itself
         beat = self.registry.load(info.instance_id)
         iid = info.instance_id
+        joins = (self._burst.first_pass.get(iid, 0) > 0
+                 and self._first_pass(iid, beat, busy_step, prompt_tokens))
         return estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
                                 remote_tokens=remote,
                                 queue_s=self.tracker.prefill_queue_s(iid, beat),
                                 calibration=self.tracker.calibration(iid),
-                                passes=self._passes(iid, beat, busy_step))
+                                passes=self._passes(iid, beat, busy_step, burst_step,
+                                                    prompt_tokens), joins_pass=joins)
 
     def _decode_choice(self, info: InstanceInfo, request: GenerateRequest) -> _DecodeChoice:
         beat = self.registry.load(info.instance_id)
@@ -285,11 +333,23 @@ class KVCacheScheduler:
         # The instance reports its wait for the cores (a prefill pass beside it) apart from its
         # step: the wait does not scale with the batch. Gaps seen here mix the two in one ratio.
         wait = (beat.wait_s or 0.0) if beat is not None else 0.0
+        if self.tbt_slo_s is not None and self._prefill_beside():
+            # Any prompt that comes while this request decodes runs in passes beside its steps,
+            # each as long as the step leaves of the SLO: the gaps it will be judged by.
+            wait = max(wait, pass_budget_s(self.tbt_slo_s, own))
         steady = own + wait
         handoff = max(HANDOFF_STEPS * own, self.tracker.handoff_s(iid))
         need = -(-(n + request.sampling.max_tokens) // self.block_tokens)
         fits = beat is None or beat.free_blocks is None or beat.free_blocks >= need
         return _DecodeChoice(info, steady, fits, handoff)
+
+    def _prefill_beside(self) -> bool:
+        """A live prefill instance shares its cores with a decode (it says so in its beats)."""
+        for info in self.registry.alive("prefill"):
+            beat = self.registry.load(info.instance_id)
+            if beat is not None and beat.passes is not None and beat.passes.shared:
+                return True
+        return False
 
     def _check_slos(self, request: GenerateRequest, best_p: PrefillEstimate,
                     best_d: _DecodeChoice) -> None:

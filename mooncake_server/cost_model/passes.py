@@ -1,0 +1,42 @@
+"""How long a prefill pass beside a busy decode may run, and how many tokens that is.
+
+On shared cores a decode's token gap is its own step plus the prefill pass it waited behind.
+The pass gets what the TBT SLO leaves after the decode's step (`GAP_SHARE` of the SLO in all),
+but never less than `MIN_PASS_SHARE` of it, so a prompt still moves beside a heavy batch; the
+conductor counts that least pass in a decode's TBT estimate. A fixed half of the SLO per pass
+(before) put gaps at step + 100 ms: a ten-sequence batch's 78 ms steps and the loop's own
+~35 ms made its requests' TBT 213 ms against a 200 ms SLO (goodput replay, x4, AVX512 EPYC).
+The prefill instance sizes its passes with these (roles/prefill/chunk_budget.py), the conductor
+predicts them with the same ones (scheduler/policy.py).
+"""
+
+from __future__ import annotations
+
+from mooncake_server.cost_model.perf_model import PerfModel
+
+# A gap (decode step + one prefill pass) is kept to this share of the TBT SLO: the rest is the
+# decode loop's own work between steps (sampling, streaming), which no pass can use.
+GAP_SHARE = 0.75
+# The least a pass gets beside a decode, as a share of the SLO.
+MIN_PASS_SHARE = 0.2
+# Smaller chunks re-read every weight for a few tokens each; below this a prompt crawls.
+MIN_CHUNK = 16
+
+
+def pass_budget_s(tbt_slo_s: float, decode_step_s: float) -> float:
+    """Seconds a prefill pass may take beside a decode whose steps take `decode_step_s`."""
+    return max(MIN_PASS_SHARE * tbt_slo_s, GAP_SHARE * tbt_slo_s - decode_step_s)
+
+
+def chunk_fitting(model: PerfModel, ratio: float, budget_s: float, cap: int) -> int:
+    """The largest chunk (MIN_CHUNK..cap tokens) whose modelled pass x `ratio` fits `budget_s`."""
+    lo, hi = MIN_CHUNK, cap
+    if model.prefill_s(lo) * ratio >= budget_s:
+        return min(lo, hi)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.prefill_s(mid) * ratio <= budget_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
