@@ -174,6 +174,10 @@ def run_point(system: str, scale: float, args: argparse.Namespace, prompts: bs.P
         asyncio.run(bs.warm_up(api, prompts, 128, args.request_timeout))
         if system == "all-slo" and "per_token_s" not in bound:
             bound["per_token_s"] = prefill_s_per_token(api, prompts)
+        # The trace starts on an idle cluster: two heartbeats (1 s apart by default) so that
+        # no load report from the warm-up still counts (a prefill's last one said a job was
+        # waiting, and the first burst was judged in cut passes: 2 of its requests refused).
+        time.sleep(2.5)
         started = time.perf_counter() - t0
         t1 = time.perf_counter()
         results = asyncio.run(replay_point(api, prompts, trace, scale, 64, args.drain_s))

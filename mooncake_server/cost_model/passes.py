@@ -21,6 +21,10 @@ GAP_SHARE = 0.75
 MIN_PASS_SHARE = 0.2
 # Smaller chunks re-read every weight for a few tokens each; below this a prompt crawls.
 MIN_CHUNK = 16
+# How long a pass's measured speed counts: it is the machine's (and its neighbours'), which
+# changes slowly, and prompts may come tens of seconds apart; forgotten after 10 s, most
+# prompts met a cut pass speed never measured.
+SPEED_HORIZON_S = 60.0
 
 
 def pass_budget_s(tbt_slo_s: float, decode_step_s: float) -> float:

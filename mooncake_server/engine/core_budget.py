@@ -11,8 +11,8 @@ alternate pass by pass. The prefill keeps its passes short (--decode-chunk token
 decode has work, which bounds the decode's token gap to about two passes.
 
 The board is a file of fixed slots (pid, active, waiting, handed-in sequences started, last
-pass's compute time) mapped by every process; the turn is an flock on it (the kernel drops it with a SIGKILLed holder), and a
-slot whose pid is gone counts as idle. A decode counts there the sequences prefilled elsewhere
+pass's compute time) mapped by every process; the turn is an flock on it (the kernel drops it
+with a SIGKILLed holder), and a slot whose pid is gone counts as idle. A decode counts there the sequences prefilled elsewhere
 that it starts, so the prefill beside it can hold its next pass for them
 (roles/prefill/handoff_hold.py), and every process posts its last pass's time, which sizes the
 passes of a prefill beside a decode (cost_model/passes.py).

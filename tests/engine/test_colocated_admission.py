@@ -4,6 +4,7 @@ passes beside decoding rows sized to the TBT SLO, late prompts refused before an
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -151,3 +152,17 @@ async def test_admitted_requests_still_match_plain_serving(tiny_model_pair) -> N
 
 async def _tokens(backend: LocalEngineBackend, req: GenerateRequest) -> list[int]:
     return [e.token_id async for e in backend.generate(req)]
+
+
+def test_the_prompt_speed_outlasts_the_gap_between_bursts(tiny_model_pair) -> None:
+    """Bursts come tens of seconds apart: 30 s after the last pass with prompt tokens, a pass
+    is still sized and timed by their speed, not by the decode steps' (a third of it here)."""
+    _, paged = tiny_model_pair
+    _, _, admission = engine(paged, tbt_slo=0.2)
+    admission.seed_quiet_step(1, 5, 0.33 * MODEL.decode_step_s(1, 5))
+    for _ in range(5):
+        admission.observed(96, 0, 0, 1.5 * MODEL.prefill_s(96))
+    later = time.monotonic() + 30.0
+    for cal in (admission.prefill, admission.prefill_tail):
+        cal._recent._clock = lambda: later  # noqa: SLF001 - the calibration's own clock
+    assert admission.prefill_ratio == pytest.approx(1.5)

@@ -9,6 +9,7 @@ from mooncake_server.cost_model.calibration import (
     GapTailCalibration,
     SmoothedCalibration,
     TailCalibration,
+    TailMeanCalibration,
 )
 
 
@@ -87,8 +88,6 @@ def test_a_horizon_must_be_positive(make: type) -> None:
 def test_the_tail_mean_reads_a_long_tail_as_the_slo_judges_it() -> None:
     """Gaps: 90% as modelled, the slowest tenth 2x..20x: a request like them is judged by
     the mean of its slowest tenth (11x), which the 90th percentile (2x) under-reads."""
-    from mooncake_server.cost_model.calibration import TailMeanCalibration
-
     quantile, mean = TailCalibration(clock=Clock()), TailMeanCalibration(clock=Clock())
     tail = [2.0 * (i + 1) for i in range(10)]  # 2, 4, ..., 20
     for ratio in [1.0] * 90 + tail:
@@ -136,3 +135,16 @@ def test_a_gap_tail_falls_back_on_the_quiet_step_timed_at_start_up() -> None:
     assert cal.predict(0.045) == pytest.approx(0.015)  # back on the quiet step, not the model
     cal.seed_quiet(0.001, 0.045)
     assert cal.split(0.045)[0] == 0.1  # clamped as every ratio is
+
+
+def test_the_weighted_mean_is_what_passes_like_the_recent_ones_take_together() -> None:
+    """Two 2-second passes at 1.5x their model and four 1-token passes at 0.4x: a sum of
+    passes like them takes 1.49x, where the plain mean of the ratios says 0.77x."""
+    clock = Clock()
+    cal = TailMeanCalibration(quantile=0.5, clock=clock)
+    for measured, modelled in [(3.0, 2.0), (3.0, 2.0)] + [(0.02, 0.05)] * 4:
+        cal.add(measured, modelled)
+    assert cal.mean == pytest.approx((1.5 + 1.5 + 4 * 0.4) / 6)
+    assert cal.weighted_mean == pytest.approx(6.08 / 4.2)
+    clock.now += 11.0  # past the horizon: the model's own times
+    assert cal.weighted_mean == 1.0

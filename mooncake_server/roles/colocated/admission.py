@@ -2,17 +2,19 @@
 
 With `--ttft-slo` / `--tbt-slo`, requests that arrive together are decided together, cheapest
 first (`api/burst.py`); each is estimated against the work the engine already holds (the prompt
-tokens waiting or part-computed ahead of it, computed in passes beside the decoding rows) with
+tokens waiting or part-computed ahead of it: while no row decodes, the next pass computes up to
+--prefill-chunk of them at full speed, the rest in passes beside the rows that pass makes) with
 the cost model scaled by this engine's own passes, measured apart: one-token passes against the
 modelled decode step (their 90th percentile over the last 10 s: TBT is judged on the slow
-gaps), and passes with prompt tokens, less their rows' step, against the modelled prefill (the
-median, robust to a cold start's first pass: as one smoothed ratio of both, the first request's
-pass made an idle engine refuse the second, "estimated TBT 224 ms"). Until it has measured
-decode steps it uses the quiet step timed at start (`seed_quiet_step`); until it has measured
-three prefill passes, the decode ratio. Refused requests get 429 at once. With `--tbt-slo` a
-pass beside decoding rows takes the largest prompt chunk (16-token steps) whose modelled time,
-so scaled, fits the SLO: the chunk is the decoding rows' token gap. An accepted prompt that still has not started computing when
-its TTFT SLO less its own compute has passed ends before any work (429, `LATE_FOR_SLO`).
+gaps), and passes with prompt tokens, less their rows' step, against the modelled prefill (over
+the last minute: their ratio taken together for TTFTs, the slower half's for sizing a pass; as
+one smoothed ratio of both, the first request's pass made an idle engine refuse the second,
+"estimated TBT 224 ms"). Until it has measured decode steps it uses the quiet step timed at
+start (`seed_quiet_step`); until it has measured three prefill passes, the decode ratio. Refused
+requests get 429 at once. With `--tbt-slo` a pass beside decoding rows takes the largest prompt
+chunk (16-token steps) whose time fits `GAP_SHARE` of the SLO: the pass is the decoding rows'
+token gap. An accepted prompt that still has not started computing when its TTFT SLO less its
+own compute has passed ends before any work (429, `LATE_FOR_SLO`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ import time
 
 from mooncake_server.api.backend import BackendError, GenerateRequest
 from mooncake_server.api.burst import BURST_WINDOW_S, BurstGate, Order
-from mooncake_server.cost_model.calibration import RATIO_FLOOR, TailCalibration
-from mooncake_server.cost_model.passes import GAP_SHARE, MIN_CHUNK
+from mooncake_server.cost_model.calibration import (
+    RATIO_FLOOR,
+    TailCalibration,
+    TailMeanCalibration,
+)
+from mooncake_server.cost_model.passes import GAP_SHARE, MIN_CHUNK, SPEED_HORIZON_S
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.engine.loop import EngineLoop
 from mooncake_server.engine.sequence import Sequence
@@ -42,7 +48,12 @@ class ColocatedAdmission:
         self.ttft_slo_s = ttft_slo_s
         self.tbt_slo_s = tbt_slo_s
         self.decode = TailCalibration(quantile=0.9)
-        self.prefill = TailCalibration(quantile=0.5)
+        # Prompt tokens' speed, kept for a minute (bursts come tens of seconds apart; forgotten
+        # after 10 s, a burst's passes were sized by the decode's ratio, a third of theirs, and
+        # took 430 ms against a 150 ms budget). The median sums into TTFTs; the slower half's
+        # mean sizes a pass, which must fit the TBT budget (as roles/prefill/chunk_budget.py).
+        self.prefill = TailCalibration(quantile=0.5, horizon_s=SPEED_HORIZON_S)
+        self.prefill_tail = TailMeanCalibration(quantile=0.5, horizon_s=SPEED_HORIZON_S)
         self._quiet = 1.0  # measured / modelled quiet step, the fallback of `decode`
         self.gate: BurstGate[list[Sequence], None] = BurstGate(self._decide, window_s=window_s)
         self.rejected = 0
@@ -67,7 +78,9 @@ class ColocatedAdmission:
             self.decode.add(seconds, step)
             return
         rest = max(0.0, seconds - self.decode_ratio * step)
-        self.prefill.add(rest, self.model.prefill_s(prompt_tokens))
+        modelled = self.model.prefill_s(prompt_tokens)
+        self.prefill.add(rest, modelled)
+        self.prefill_tail.add(rest, modelled)
 
     @property
     def decode_ratio(self) -> float:
@@ -77,11 +90,15 @@ class ColocatedAdmission:
     @property
     def prefill_ratio(self) -> float:
         """Measured / modelled prefill (the decode ratio until three passes are recent)."""
-        return self.prefill.value if self.prefill.recent >= 3 else self.decode_ratio
+        return self.prefill.weighted_mean if self.prefill.recent >= 3 else self.decode_ratio
 
-    def _modelled(self, prompt_tokens: int, rows: int, context: int) -> float:
-        """A pass's time: its prompt tokens and its decoding rows, each by its own ratio."""
-        return (self.prefill_ratio * self.model.prefill_s(prompt_tokens)
+    def _modelled(self, prompt_tokens: int, rows: int, context: int, *,
+                  slow: bool = False) -> float:
+        """A pass's time: its prompt tokens and its decoding rows, each by its own ratio
+        (`slow`: the prompt tokens at the slower half's speed)."""
+        prefill = (self.prefill_tail.value if slow and self.prefill_tail.recent >= 3
+                   else self.prefill_ratio)
+        return (prefill * self.model.prefill_s(prompt_tokens)
                 + self.decode_ratio * self.model.decode_step_s(rows, context))
 
     def chunk_for(self, rows: int, context: int) -> int:
@@ -93,7 +110,7 @@ class ColocatedAdmission:
         budget = GAP_SHARE * self.tbt_slo_s
         chunk = MIN_CHUNK
         while (chunk + MIN_CHUNK <= self.loop.decode_chunk_tokens
-               and self._modelled(chunk + MIN_CHUNK, rows, context) <= budget):
+               and self._modelled(chunk + MIN_CHUNK, rows, context, slow=True) <= budget):
             chunk += MIN_CHUNK
         return chunk
 

@@ -24,14 +24,10 @@ from mooncake_server.cost_model.calibration import (
     TailMeanCalibration,
     TailSeconds,
 )
-from mooncake_server.cost_model.passes import chunk_fitting, pass_budget_s
+from mooncake_server.cost_model.passes import SPEED_HORIZON_S, chunk_fitting, pass_budget_s
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.wire.instances import PassSplit
 
-# How long a pass's measured speed counts: it is the machine's (and its neighbours'), which
-# changes slowly, and prompts may come tens of seconds apart; forgotten after 10 s, most
-# prompts met a cut pass speed never measured.
-SPEED_HORIZON_S = 60.0
 
 
 class ChunkBudget:
@@ -49,7 +45,7 @@ class ChunkBudget:
         # than the built-in profile must still get chunks that fit. Not a moving average from
         # 1.0: a few samples must already count in full.
         # Each speed is read two ways: the mean of the slower half (`value`) sizes a pass,
-        # which must fit the TBT budget; the plain `mean` goes into the conductor's TTFT
+        # which must fit the TBT budget; the `weighted_mean` goes into the conductor's TTFT
         # estimate, which sums passes (a sum's expected value is the sum of the means). Summed
         # over a prompt's passes and the jobs queued ahead, the slower halves put TTFTs at
         # 1.36-1.41x what they measured (median; replays at time scale 4 on `--role all`),
@@ -84,7 +80,7 @@ class ChunkBudget:
         of them; the other kind's if none is recent."""
         first, other = (self._cut, self._calibration) if cut else (self._calibration, self._cut)
         chosen = first if first.recent or not other.recent else other
-        return chosen.mean if mean else chosen.value
+        return chosen.weighted_mean if mean else chosen.value
 
     def split(self, shared: bool, idle_chunk: int, decode_step_s: float = 0.0) -> PassSplit | None:
         """How a prompt's passes go, for the conductor's TTFT estimate (None without

@@ -14,8 +14,10 @@ If `--ttft-slo` / `--tbt-slo` cannot be met by the chosen pair, the request is r
 requests that arrive together are decided together, cheapest first (api/burst.py); each accepted
 one's prefill must start by a deadline (`Plan.start_by`), or the prefill instance turns it away
 with 429 before computing it. A burst's prompts that fit the instance's first full pass are
-estimated in it; the rest in cut passes beside the decode of that pass's requests (bursts.py). TBT is the decode's steady steps; the hand-off from prefill to
-decode (KV load, joining the batch) is time to the second token, budgeted as TTFT + TBT.
+estimated in it; the rest in cut passes beside the decode of that pass's requests (bursts.py).
+TBT is the decode's steady steps (and, on cores a prefill shares, the pass it waits behind); the
+hand-off from prefill to decode (KV load, joining the batch) is time to the second token,
+budgeted as TTFT + TBT.
 The plan also says what the prefill instance may reuse (`PrefillJob.reuse`): `global` (fetch the
 prefix it lacks from the store) only under cache-global when the estimate chose fetching;
 otherwise `local`, the blocks in its own prefix cache. A decode instance that refuses the request
