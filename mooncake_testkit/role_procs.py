@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -341,3 +342,57 @@ class RoleCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# ---- process trees: what a supervisor (`--role all`) leaves behind -----------------------------
+
+
+def _parent_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
+        children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(pids: Sequence[int]) -> list[int]:
+    """`pids` and every process below them (their children may sit in sessions of their own)."""
+    children = _parent_map()
+    seen: list[int] = []
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.append(pid)
+            todo.extend(children.get(pid, []))
+    return seen
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def reap(pids: Sequence[int], wait_s: float = 10.0) -> None:
+    """SIGKILL what is left of `pids` and their process groups; wait until all are gone."""
+    for pid in pids:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    deadline = time.monotonic() + wait_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    if left:
+        print(f"  warning: processes {left} survived SIGKILL", file=sys.stderr)

@@ -28,8 +28,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay_trace import DEFAULT_TRACE, PromptBuilder, load_trace  # noqa: E402  (a sibling script)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mooncake_bench.trace import DEFAULT_TRACE, PromptBuilder, load_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "mooncake-server" / "models" / "SmolLM2-135M-Instruct"

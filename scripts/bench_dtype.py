@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import bench_serving as bs  # noqa: E402
-
+from mooncake_bench import client as bs  # noqa: E402  (the checkout's package, installed or not)
+from mooncake_bench import machine, systems  # noqa: E402
 
 MODES = {
     "auto": [],  # what the server picks for this CPU
@@ -58,12 +58,12 @@ def main() -> None:
         p.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
         p.add_argument("--reps", type=int, default=3)
 
-    args, model, prompts = bs.one_server_bench(__doc__.splitlines()[0], "/tmp/bench_dtype_logs",
-                                               flags)
+    args, model, prompts = machine.one_server_bench(__doc__.splitlines()[0],
+                                                    "/tmp/bench_dtype_logs", flags)
     figures: dict[str, dict[str, float]] = {}
     for mode in args.modes.split(","):
         started = time.perf_counter()
-        with bs.start_mooncake("colocated", ["--model", model, *MODES[mode]], [],
+        with systems.start_mooncake("colocated", ["--model", model, *MODES[mode]], [],
                                Path(args.logs) / mode) as api:
             print(f"{mode}: ready in {time.perf_counter() - started:.0f} s", flush=True)
             figures[mode] = asyncio.run(measure(api, prompts, args.tokens, args.reps))

@@ -4,8 +4,8 @@
   .venv/bin/python scripts/bench_goodput.py --out goodput/
   .venv/bin/python scripts/bench_goodput.py --scales 16,4 --systems all-slo,colocated
 
-The trace: the first --requests lines of ../shared/traces/synthetic_trace.jsonl (else
-traces/mooncake_sample.jsonl) with each timestamp rounded down to its 3-second bucket, as
+The trace: the first --requests lines of traces/synthetic_trace.jsonl (the paper's synthetic
+trace, shipped) with each timestamp rounded down to its 3-second bucket, as
 production traces record them, so requests land in bursts; hash-id blocks become 16-token
 blocks (scripts/replay_trace.py's prompts), outputs capped at 64 tokens. An arrival rate is the
 trace's clock times --scales (x16 = 16 s for each trace second, the light end). For each rate
@@ -43,11 +43,12 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_serving as bs  # noqa: E402  (a sibling script, not a package)
-import replay_trace as rt  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mooncake_bench import client as bs  # noqa: E402  (the checkout's package, installed or not)
+from mooncake_bench import machine, systems  # noqa: E402
+from mooncake_bench import trace as rt  # noqa: E402
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "synthetic_trace.jsonl"
+SYNTHETIC_TRACE = Path(__file__).resolve().parents[1] / "traces" / "synthetic_trace.jsonl"
 BUCKET_MS = 3000.0
 SYSTEMS = ("all-slo", "colocated-slo", "colocated", "tfserve")
 GOODPUT_SHARE = 0.9
@@ -158,11 +159,12 @@ def launch(system: str, args: argparse.Namespace,
            log_dir: Path) -> AbstractContextManager[bs.Api]:
     """Start `system` (stopped with its whole process tree on exit)."""
     if system in ("tfserve", "all-slo"):
-        return bs.launch_system(system.removesuffix("-slo"), args, log_dir, system == "all-slo")
+        return systems.launch_system(system.removesuffix("-slo"), args, log_dir,
+                                     system == "all-slo")
     slo = ["--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo)]
     server_args = ["--model", args.model, *shlex.split(args.mooncake_args),
                    *shlex.split(args.colocated_args), *(slo if system == "colocated-slo" else [])]
-    return bs.start_mooncake("colocated", server_args, [], log_dir)
+    return systems.start_mooncake("colocated", server_args, [], log_dir)
 
 
 def run_point(system: str, scale: float, args: argparse.Namespace, prompts: bs.Prompts,
@@ -224,8 +226,7 @@ def plot(points: list[dict], bounds: dict[float, float], path: Path) -> None:
 def main() -> None:
     """Every (system, rate) point; the table, goodput per system, JSON and PNG."""
     def flags(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--trace", default=str(SHARED_TRACE if SHARED_TRACE.exists()
-                                              else rt.DEFAULT_TRACE))
+        p.add_argument("--trace", default=str(SYNTHETIC_TRACE))
         p.add_argument("--requests", type=int, default=60)
         p.add_argument("--scales", default="16,4,2", help="trace clock multipliers")
         p.add_argument("--systems", default=",".join(SYSTEMS))
@@ -240,7 +241,7 @@ def main() -> None:
         p.add_argument("--tf-args", default="")
         p.add_argument("--out", default="goodput")
 
-    args, args.model, prompts = bs.one_server_bench(__doc__.splitlines()[0], "goodput-logs",
+    args, args.model, prompts = machine.one_server_bench(__doc__.splitlines()[0], "goodput-logs",
                                                     flags)
     trace = bursty_trace(Path(args.trace), args.requests)
     # The trace's duration counts its last bucket whole: 6 buckets of 3 s are 18 s.
@@ -289,7 +290,7 @@ def main() -> None:
         goodput[system] = max(ok) if ok else 0.0
         print(f"goodput {system}: {goodput[system]:.3f} req/s (highest rate with >= 90% within)")
     (out / "goodput.json").write_text(json.dumps(
-        {"cpu": bs.cpu_info(), "trace": args.trace, "requests": len(trace),
+        {"cpu": machine.cpu_info(), "trace": args.trace, "requests": len(trace),
          "bucket_ms": BUCKET_MS, "points": points, "bounds": bounds, "goodput": goodput,
          "prefill_s_per_token": per_token}, indent=1))
     plot(points, bounds, out / "goodput.png")

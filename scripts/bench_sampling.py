@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import bench_serving as bs  # noqa: E402
-
+from mooncake_bench import client as bs  # noqa: E402  (the checkout's package, installed or not)
+from mooncake_bench import machine, systems, workloads  # noqa: E402
 
 SETTINGS: dict[str, dict[str, Any] | None] = {
     "greedy": None,
@@ -42,7 +42,7 @@ async def measure(api: bs.Api, prompts: bs.Prompts, sampling: dict[str, Any] | N
     if r.status != "ok":
         raise RuntimeError(f"request failed: {r.error}")
     lone = statistics.median(b - a for a, b in zip(r.token_times, r.token_times[1:]))
-    batch = await bs.concurrent_workload(api, prompts, 16, 128, 128, 300, sampling)
+    batch = await workloads.concurrent_workload(api, prompts, 16, 128, 128, 300, sampling)
     if batch["ok"] != batch["requests"]:
         raise RuntimeError(f"concurrent requests failed: {batch.get('errors')}")
     return {"lone_gap_s": lone, "batch_gap_s": batch["tbt_p50_gaps"],
@@ -68,10 +68,10 @@ def main() -> None:
         p.add_argument("--role", default="colocated", choices=("colocated", "all"))
         p.add_argument("--rounds", type=int, default=2)
 
-    args, model, prompts = bs.one_server_bench(__doc__.splitlines()[0],
+    args, model, prompts = machine.one_server_bench(__doc__.splitlines()[0],
                                                "/tmp/bench_sampling_logs", flags)
     started = time.perf_counter()
-    with bs.start_mooncake(args.role, ["--model", model], [], Path(args.logs)) as api:
+    with systems.start_mooncake(args.role, ["--model", model], [], Path(args.logs)) as api:
         print(f"--role {args.role}: ready in {time.perf_counter() - started:.0f} s", flush=True)
         runs = asyncio.run(run_all(api, prompts, args.rounds))
     med = {name: {key: statistics.median(r[key] for r in rs) for key, _, _ in FIGURES}

@@ -34,501 +34,39 @@ import asyncio
 import json
 import math
 import os
-import random
-import re
-import shlex
-import shutil
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import replay_trace as rt  # a sibling script, not a package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mooncake_bench import trace as rt  # noqa: E402  (the checkout's package, installed or not)
+from mooncake_bench.client import (  # noqa: E402
+    Api,
+    Prompts,
+    warm_up,
+)
+from mooncake_bench.machine import cpu_info, print_cpu  # noqa: E402
+from mooncake_bench.report import json_safe  # noqa: E402
+from mooncake_bench.systems import launch_system, load_avg  # noqa: E402
+from mooncake_bench.workloads import (  # noqa: E402
+    concurrent_workload,
+    offered_load,
+    replay,
+    replay_summary,
+    ttft_workload,
+)
 
 SYSTEMS = ("all", "colocated", "tfserve")
 WORKLOADS = ("ttft", "concurrent", "replay")
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 # Full run, and what --quick shrinks it to (explicit flags win over both).
 FULL = {"ttft_sizes": "256,1024,4096", "ttft_reps": 3, "concurrency": 16,
         "concurrent_prompt_tokens": 128, "concurrent_output_tokens": 128, "max_requests": 100}
 QUICK = {"ttft_sizes": "64", "ttft_reps": 3, "concurrency": 4, "concurrent_prompt_tokens": 64,
          "concurrent_output_tokens": 16, "max_requests": 10}
-
-# ---------------------------------------------------------------------------------------------
-# The machine
-
-
-def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
-    """CPU model, core count and the SIMD / matrix flags that decide CPU inference speed."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                  if line.startswith("model name")), "unknown")
-    flags_line = next((line.split(":", 1)[1] for line in cpuinfo.splitlines()
-                       if line.startswith("flags")), "")
-    present = set(flags_line.split())
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = []
-    return {"model": model, "cores": os.cpu_count(), "load_avg": load,
-            "flags": {f: f in present for f in CPU_FLAGS}}
-
-
-def print_cpu(info: dict[str, Any]) -> None:
-    """One header line about the CPU (a shared machine shows in its load average)."""
-    flags = ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in info["flags"].items())
-    load = " ".join(f"{x:.2f}" for x in info["load_avg"])
-    print(f"CPU: {info['model']}, {info['cores']} cores; {flags}; load average {load}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompts
-
-
-def one_server_bench(description: str, logs: str,
-                     add_flags: Callable[[argparse.ArgumentParser], None],
-                     ) -> tuple[argparse.Namespace, str, Prompts]:
-    """A one-server benchmark's start: its flags (plus --model, --logs), the model resolved,
-    the CPU printed, and the prompt maker."""
-    from mooncake_server.model_assets import resolve_model
-
-    p = argparse.ArgumentParser(description=description)
-    add_flags(p)
-    p.add_argument("--model", default=None)
-    p.add_argument("--logs", default=logs)
-    args = p.parse_args()
-    model = str(resolve_model(args.model))
-    print_cpu(cpu_info())
-    return args, model, Prompts(model)
-
-
-def word_token_ids(tokenizer: Any, lo: int = 1000) -> list[int]:
-    """Ids (>= lo) of tokens that are one space-led ASCII word and encode back to themselves."""
-    ids = []
-    for piece, i in tokenizer.get_vocab().items():
-        # "Ġ" is the byte-level space: the pre-tokenizer splits text before each such word, so
-        # a sequence of them re-tokenizes token by token.
-        if i >= lo and re.fullmatch(r"\u0120[A-Za-z]+", piece) \
-                and tokenizer.encode(tokenizer.decode([i])).ids == [i]:
-            ids.append(i)
-    return sorted(ids)
-
-
-class Prompts:
-    """Random prompts of word tokens, as ids and as the text that tokenizes to those ids."""
-
-    def __init__(self, model_path: str | Path) -> None:
-        from tokenizers import Tokenizer
-
-        self.tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
-        self.ids = word_token_ids(self.tokenizer)
-        if len(self.ids) < 1000:
-            raise RuntimeError(f"only {len(self.ids)} single-token words in {model_path}'s "
-                               "vocabulary: cannot build round-tripping prompts")
-
-    def random(self, n: int, seed: int | str) -> list[int]:
-        """`n` token ids, the same for the same seed."""
-        rnd = random.Random(f"bench_serving:{seed}")
-        return [self.ids[rnd.randrange(len(self.ids))] for _ in range(n)]
-
-    def builder(self, block_tokens: int, seed: int) -> rt.PromptBuilder:
-        """replay_trace's hash-id prompts, drawing indices into the word vocabulary."""
-        return rt.PromptBuilder(block_tokens, (0, len(self.ids)), seed)
-
-    def trace_prompt(self, builder: rt.PromptBuilder, req: rt.TraceRequest,
-                     index: int) -> list[int]:
-        """The word-token prompt of one trace request (shared hash-id prefixes stay shared)."""
-        return [self.ids[i] for i in builder.prompt(req, index)]
-
-    def text(self, ids: Sequence[int]) -> str:
-        """The text of `ids`."""
-        return self.tokenizer.decode(list(ids))
-
-    def round_trips(self, ids: Sequence[int]) -> bool:
-        """Whether the text of `ids` tokenizes back to exactly `ids`."""
-        return self.tokenizer.encode(self.text(ids), add_special_tokens=True).ids == list(ids)
-
-
-# ---------------------------------------------------------------------------------------------
-# The client
-
-
-@dataclass
-class Api:
-    """Where and how to send completions to one system."""
-
-    kind: str  # mooncake | tfserve
-    url: str
-    model: str
-    prompts: Prompts | None = None  # tfserve: turns ids into text
-
-
-def completion_body(api: Api, prompt: Sequence[int], max_tokens: int,
-                    sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The streamed, exactly-`max_tokens` /v1/completions body for `api`'s server.
-
-    Greedy unless `sampling` gives other fields (temperature, top_p, seed).
-    """
-    body: dict[str, Any] = {"model": api.model, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True, **(sampling or {})}
-    if api.kind == "tfserve":
-        assert api.prompts is not None
-        body["prompt"] = api.prompts.text(prompt)
-        # It parses this field with json.loads (a dict is a 500), and 422s `ignore_eos`; an
-        # eos id no token has is its way to never stop early.
-        body["generation_config"] = json.dumps({"max_new_tokens": max_tokens,
-                                                "eos_token_id": -1})
-    else:
-        body["prompt"] = list(prompt)
-        body["ignore_eos"] = True
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-@dataclass
-class Result(rt.Outcome):
-    """replay_trace's Outcome plus what the throughput figures need."""
-
-    requested_tokens: int = 0
-    completion_tokens: int = 0  # usage.completion_tokens, else the token chunks seen
-    finished: bool = False  # a finish_reason arrived
-
-
-def parse_chunk(line: str) -> dict[str, Any] | None:
-    """The JSON of one SSE `data:` line (None for other lines and [DONE])."""
-    if not line.startswith("data:"):
-        return None
-    data = line[5:].strip()
-    if not data.startswith("{"):
-        return None
-    return json.loads(data)
-
-
-async def send(client: httpx.AsyncClient, api: Api, prompt: Sequence[int],
-               max_tokens: int, sampling: dict[str, Any] | None = None) -> Result:
-    """One streamed completion; never raises (HTTP 429 = rejected, anything else wrong = error)."""
-    out = Result("ok", prompt_tokens=len(prompt), requested_tokens=max_tokens)
-    first_chunk: float | None = None
-    start = time.perf_counter()
-    try:
-        async with client.stream("POST", f"{api.url}/v1/completions",
-                                 json=completion_body(api, prompt, max_tokens, sampling)) as r:
-            if r.status_code != 200:
-                await r.aread()
-                out.status = "rejected" if r.status_code == 429 else "error"
-                out.error = f"HTTP {r.status_code}: {r.text[:200]}"
-                return out
-            async for line in r.aiter_lines():
-                chunk = parse_chunk(line)
-                if chunk is None:
-                    continue
-                now = time.perf_counter() - start
-                if chunk.get("error"):
-                    out.status, out.error = "error", str(chunk["error"])[:200]
-                    return out
-                choices = chunk.get("choices") or []
-                if choices and first_chunk is None:
-                    first_chunk = now
-                # A token is an event the user sees: text. Finish / usage-only chunks are not
-                # tokens (transformers serve sends an empty one after the last token).
-                if any(c.get("text") for c in choices):
-                    out.token_times.append(now)
-                if any(c.get("finish_reason") for c in choices):
-                    out.finished = True
-                usage = chunk.get("usage")
-                if usage:
-                    out.prompt_tokens = usage.get("prompt_tokens") or len(prompt)
-                    out.completion_tokens = usage.get("completion_tokens") or 0
-                    details = usage.get("prompt_tokens_details") or {}
-                    out.cached_tokens = details.get("cached_tokens") or 0
-    except (httpx.HTTPError, ValueError) as exc:
-        out.status, out.error = "error", repr(exc)[:200]
-        return out
-    if not out.finished:
-        out.status, out.error = "error", "stream ended without a finish_reason"
-        return out
-    if not out.token_times and first_chunk is not None:
-        out.token_times.append(first_chunk)  # the only token's text was empty
-    out.ttft_s = out.token_times[0] if out.token_times else None
-    out.completion_tokens = out.completion_tokens or len(out.token_times)
-    return out
-
-
-def new_client(timeout_s: float) -> httpx.AsyncClient:
-    """An HTTP client for many concurrent streams, each bounded by `timeout_s`."""
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=256)
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10), limits=limits)
-
-
-# ---------------------------------------------------------------------------------------------
-# Workloads
-
-
-def errors_of(results: Sequence[Result]) -> dict[str, Any]:
-    """Counts of rejected / failed / short requests and the first error text."""
-    errs = [r.error for r in results if r.status != "ok"]
-    return {"rejected": sum(r.status == "rejected" for r in results),
-            "errors": sum(r.status == "error" for r in results),
-            "short": sum(r.status == "ok" and r.completion_tokens < r.requested_tokens
-                         for r in results),
-            "first_error": errs[0] if errs else ""}
-
-
-async def warm_up(api: Api, prompts: Prompts, prompt_tokens: int, timeout_s: float) -> None:
-    """Requests no measurement shares a prefix with: first-request set-up (CB init, allocators)."""
-    async with new_client(timeout_s) as client:
-        for n in sorted({16, prompt_tokens}):
-            r = await send(client, api, prompts.random(n, f"warm:{n}"), 4)
-            if r.status != "ok":
-                print(f"  warm-up ({n} tokens) failed: {r.error}", file=sys.stderr)
-
-
-async def ttft_workload(api: Api, prompts: Prompts, sizes: Sequence[int], reps: int,
-                        max_tokens: int, timeout_s: float) -> dict[str, Any]:
-    """Per prompt size: p50 TTFT of `reps` requests sent one at a time, distinct prompts."""
-    out: dict[str, Any] = {}
-    async with new_client(timeout_s) as client:
-        for n in sizes:
-            results = [await send(client, api, prompts.random(n, f"ttft:{n}:{i}"), max_tokens)
-                       for i in range(reps)]
-            ttfts = [r.ttft_s for r in results if r.status == "ok" and r.ttft_s is not None]
-            out[str(n)] = {"ttft_p50": rt.percentile(ttfts, 50), "ttfts": ttfts,
-                           "prompt_tokens_seen": [r.prompt_tokens for r in results],
-                           **errors_of(results)}
-    return out
-
-
-def concurrent_summary(results: Sequence[Result], wall_s: float) -> dict[str, Any]:
-    """Output tok/s, TBT p50 over all gaps and over requests (paper TBT), TTFT p50."""
-    ok = [r for r in results if r.status == "ok"]
-    gaps = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
-    per_request = [t for t in (rt.request_tbt(r.token_times) for r in ok) if t is not None]
-    tokens = sum(r.completion_tokens for r in ok)
-    return {"requests": len(results), "ok": len(ok), "wall_s": wall_s,
-            "output_tokens": tokens,
-            "output_tok_s": tokens / wall_s if wall_s > 0 else float("nan"),
-            "tbt_p50_gaps": rt.percentile(gaps, 50), "tbt_p99_gaps": rt.percentile(gaps, 99),
-            "tbt_p50_per_request": rt.percentile(per_request, 50),
-            "ttft_p50": rt.percentile([r.ttft_s for r in ok if r.ttft_s is not None], 50),
-            **errors_of(results)}
-
-
-async def concurrent_workload(api: Api, prompts: Prompts, n: int, prompt_tokens: int,
-                              output_tokens: int, timeout_s: float,
-                              sampling: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`n` requests sent at once; figures over the wall time until the last one ends."""
-    async with new_client(timeout_s) as client:
-        start = time.perf_counter()
-        results = await asyncio.gather(*(
-            send(client, api, prompts.random(prompt_tokens, f"conc:{i}"), output_tokens,
-                 sampling)
-            for i in range(n)))
-        wall = time.perf_counter() - start
-    return concurrent_summary(results, wall)
-
-
-def offered_load(trace: Sequence[rt.TraceRequest], prompts: Prompts, block_tokens: int,
-                 time_scale: float, max_output: int) -> dict[str, float]:
-    """What the replay asks per second: requests, prompt tokens, output tokens."""
-    b = prompts.builder(block_tokens, 0)
-    span = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000.0 * time_scale
-    span = max(span, 1e-9)
-    return {"span_s": span, "requests_s": len(trace) / span,
-            "prompt_tok_s": sum(b.length(r) for r in trace) / span,
-            "output_tok_s": sum(min(r.output_length, max_output) for r in trace) / span}
-
-
-async def replay(api: Api, prompts: Prompts, trace: Sequence[rt.TraceRequest], block_tokens: int,
-                 seed: int, time_scale: float, max_output: int,
-                 timeout_s: float) -> list[Result]:
-    """Each trace request at its scaled arrival time (replay_trace's prompts); all outcomes."""
-    builder = prompts.builder(block_tokens, seed)
-    t0 = trace[0].timestamp_ms if trace else 0.0
-    async with new_client(timeout_s) as client:
-        begin = time.perf_counter()
-
-        async def one(i: int, req: rt.TraceRequest) -> Result:
-            at = (req.timestamp_ms - t0) / 1000.0 * time_scale
-            await asyncio.sleep(max(0.0, begin + at - time.perf_counter()))
-            r = await send(client, api, prompts.trace_prompt(builder, req, i),
-                           max(1, min(req.output_length, max_output)))
-            r.arrival_s = at
-            return r
-
-        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(trace))))
-
-
-def replay_summary(results: Sequence[Result], ttft_slo: float, tbt_slo: float,
-                   wall_s: float) -> dict[str, Any]:
-    """replay_trace's summary plus the count behind effective capacity."""
-    s = rt.summarize(results, ttft_slo, tbt_slo)
-    s.wall_s = wall_s
-    d = asdict(s)
-    d["within_slo_count"] = round(s.within_slo * s.requests) if s.requests else 0
-    d.update({k: v for k, v in errors_of(results).items() if k in ("short", "first_error")})
-    return d
-
-
-# ---------------------------------------------------------------------------------------------
-# Starting and stopping servers
-
-
-def _parent_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name in (...) may hold spaces
-        children.setdefault(ppid, []).append(int(entry.name))
-    return children
-
-
-def descendants(pids: Sequence[int]) -> list[int]:
-    """`pids` and every process below them (their children may sit in sessions of their own)."""
-    children = _parent_map()
-    seen: list[int] = []
-    todo = list(pids)
-    while todo:
-        pid = todo.pop()
-        if pid not in seen:
-            seen.append(pid)
-            todo.extend(children.get(pid, []))
-    return seen
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def reap(pids: Sequence[int], wait_s: float = 10.0) -> None:
-    """SIGKILL what is left of `pids` and their process groups; wait until all are gone."""
-    for pid in pids:
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    deadline = time.monotonic() + wait_s
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in pids if _alive(p)]
-    if left:
-        print(f"  warning: processes {left} survived SIGKILL", file=sys.stderr)
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    """The last lines of a server log, for start-up errors."""
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float, log: Path) -> None:
-    """Until /health answers 200 and /v1/models lists a model; a clear error otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} during start-up; "
-                               f"log {log}:\n{log_tail(log)}")
-        try:
-            if (httpx.get(f"{url}/health", timeout=2).status_code == 200
-                    and httpx.get(f"{url}/v1/models", timeout=5).json().get("data")):
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready (/health, /v1/models) within {timeout_s:.0f} s; "
-                       f"log {log}:\n{log_tail(log)}")
-
-
-def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
-    """SIGTERM the process's group, then SIGKILL whatever of its tree is left."""
-    tree = descendants([proc.pid])
-    # NOTE: SIGTERM, not Ctrl-C: after SIGINT transformers serve logs "Finished server
-    # process" and then hangs on its continuous-batching thread; SIGTERM exits in seconds.
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    reap(tree)
-    proc.wait()
-
-
-def tfserve_binary() -> str:
-    """The `transformers` CLI of this interpreter's environment."""
-    here = Path(sys.executable).with_name("transformers")
-    return str(here) if here.exists() else (shutil.which("transformers") or "transformers")
-
-
-@contextmanager
-def start_tfserve(model: str, extra: Sequence[str], log_dir: Path,
-                  timeout_s: float) -> Iterator[Api]:
-    """`transformers serve --continuous-batching` on a free port, offline; stopped on exit."""
-    from mooncake_testkit.ports import free_port_block
-
-    port = free_port_block(1)
-    argv = [tfserve_binary(), "serve", "--continuous-batching", "--host", "127.0.0.1",
-            "--port", str(port), "--log-level", "warning", *extra, model]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / "tfserve.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, proc, timeout_s, log)
-        yield Api("tfserve", url, rt._model_of(url, None))
-    finally:
-        stop_process(proc)
-
-
-@contextmanager
-def start_mooncake(spec: str, server_args: list[str], conductor_args: list[str],
-                   log_dir: Path) -> Iterator[Api]:
-    """replay_trace's launch of `--role spec`, then nothing left of its process tree."""
-    tree: list[int] = []
-    try:
-        with ExitStack() as stack:
-            try:
-                cluster = stack.enter_context(rt.launch(spec, server_args, conductor_args,
-                                                        log_dir))
-            except RuntimeError as exc:
-                logs = sorted(log_dir.glob(f"{spec}-*.log"))
-                raise RuntimeError(f"--role {spec}: {exc}; log {logs[0] if logs else log_dir}:"
-                                   f"\n{log_tail(logs[0]) if logs else ''}") from None
-            try:
-                yield Api("mooncake", cluster.url, rt._model_of(cluster.url, None))
-            finally:
-                # The supervisor's roles run in sessions of their own: its group is not theirs,
-                # so they are found by parentage while it still lives.
-                tree = descendants(cluster.pids)
-    finally:
-        reap(tree)
-
 
 # ---------------------------------------------------------------------------------------------
 # Running one system
@@ -560,39 +98,19 @@ def run_system(name: str, args: argparse.Namespace, prompts: Prompts,
                                     args.request_timeout))
                 for w in workloads:
                     t1 = time.perf_counter()
-                    before = _load()
+                    before = load_avg()
                     out[w] = run_workload(w, api, args, prompts, trace, sizes)
                     # Other work on the machine skews one system and not the next: keep the
                     # load next to each figure.
-                    out.setdefault("load_avg_1m", {})[w] = [before, _load()]
+                    out.setdefault("load_avg_1m", {})[w] = [before, load_avg()]
                     print(f"  {w}: {time.perf_counter() - t1:.0f} s (load average {before:.1f}"
-                          f" -> {_load():.1f})", flush=True)
+                          f" -> {load_avg():.1f})", flush=True)
                 t2 = time.perf_counter()
             print(f"  stopped in {time.perf_counter() - t2:.0f} s", flush=True)
         except Exception as exc:  # noqa: BLE001 - one broken system must not lose the others
             print(f"  {label} failed: {exc}", file=sys.stderr, flush=True)
             out.setdefault("errors", []).append(f"{phase}: {exc}")
     return out
-
-
-def _load() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
-def launch_system(name: str, args: argparse.Namespace, log_dir: Path,
-                  slo: bool) -> AbstractContextManager[Api]:
-    """The context manager that starts system `name` (and stops it fully on exit)."""
-    if name == "tfserve":
-        return start_tfserve(args.model, shlex.split(args.tf_args), log_dir,
-                             args.startup_timeout)
-    own = args.all_args if name == "all" else args.colocated_args
-    server_args = ["--model", args.model, *shlex.split(args.mooncake_args), *shlex.split(own)]
-    conductor_args = ["--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo)] \
-        if slo else []
-    return start_mooncake(name, server_args, conductor_args, log_dir / (name + "-slo" * slo))
 
 
 def run_workload(w: str, api: Api, args: argparse.Namespace, prompts: Prompts,
@@ -784,17 +302,6 @@ def print_tables(results: dict[str, Any], args: argparse.Namespace, sizes: Seque
 
 def _max_load(system: dict[str, Any], workload: str) -> float:
     return max(system.get("load_avg_1m", {}).get(workload) or [math.nan])
-
-
-def json_safe(x: Any) -> Any:
-    """`x` with nan / inf as null, so the file is strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x
 
 
 # ---------------------------------------------------------------------------------------------

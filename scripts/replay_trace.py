@@ -28,212 +28,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
-import os
-import random
-import re
-import secrets
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay_report import Progress, write_report  # noqa: E402  (a sibling script, not a package)
-
-TRACE_BLOCK = 512  # tokens per hash id in the Mooncake traces
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_sample.jsonl"
-
-# ---------------------------------------------------------------------------------------------
-# The trace and its prompts
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    """One line of a Mooncake trace."""
-
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def load_trace(path: str | Path, start: int = 0, max_requests: int | None = None,
-               ) -> list[TraceRequest]:
-    """Lines `start .. start + max_requests` of a trace file."""
-    out: list[TraceRequest] = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if i < start or not line.strip():
-                continue
-            if max_requests is not None and len(out) >= max_requests:
-                break
-            d = json.loads(line)
-            out.append(TraceRequest(float(d["timestamp"]), int(d["input_length"]),
-                                    int(d["output_length"]), tuple(d.get("hash_ids", ()))))
-    return out
-
-
-class PromptBuilder:
-    """Maps hash ids to fixed token blocks: equal hash-id prefixes give equal token prefixes."""
-
-    def __init__(self, block_tokens: int, token_range: tuple[int, int] = (1000, 40000),
-                 seed: int = 0) -> None:
-        if block_tokens < 1:
-            raise ValueError(f"--block-tokens: must be positive, got {block_tokens}")
-        self.block_tokens = block_tokens
-        self.lo, self.hi = token_range
-        self.seed = seed
-        self._blocks: dict[int, list[int]] = {}
-
-    def block(self, hash_id: int) -> list[int]:
-        """The tokens standing for one 512-token trace block."""
-        tokens = self._blocks.get(hash_id)
-        if tokens is None:
-            rnd = random.Random(f"{self.seed}:{hash_id}")
-            tokens = [rnd.randrange(self.lo, self.hi) for _ in range(self.block_tokens)]
-            self._blocks[hash_id] = tokens
-        return tokens
-
-    def length(self, req: TraceRequest) -> int:
-        """Prompt tokens of `req` after scaling 512 -> block_tokens (at least 1)."""
-        n_blocks = max(1, math.ceil(req.input_length / TRACE_BLOCK))
-        last = min(TRACE_BLOCK, req.input_length - TRACE_BLOCK * (n_blocks - 1))
-        scaled_last = max(1, round(last * self.block_tokens / TRACE_BLOCK))
-        return (n_blocks - 1) * self.block_tokens + scaled_last
-
-    def prompt(self, req: TraceRequest, index: int = 0) -> list[int]:
-        """The token ids of `req` (`index` keeps requests without hash ids distinct)."""
-        ids = list(req.hash_ids) or [-(index + 1)]
-        tokens: list[int] = []
-        for h in ids:
-            tokens.extend(self.block(h))
-        want = self.length(req)
-        while len(tokens) < want:  # more input than hash ids cover: pad with private blocks
-            tokens.extend(self.block(-(10**9) - index * 1000 - len(tokens)))
-        return tokens[:want]
-
-
-# ---------------------------------------------------------------------------------------------
-# Statistics
-
-
-@dataclass
-class Outcome:
-    """What happened to one request."""
-
-    status: str  # ok | rejected | error
-    arrival_s: float = 0.0
-    index: int = 0  # the request's place in the replayed slice
-    max_tokens: int = 0  # output tokens asked for
-    ttft_s: float | None = None
-    token_times: list[float] = field(default_factory=list)  # seconds since the request was sent
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    error: str = ""
-    request_id: str = ""  # the server's id (its logs name the request by it)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100); nan when empty."""
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def request_tbt(token_times: Sequence[float]) -> float | None:
-    """Mean of the longest 10% of the gaps between tokens the decode made (at least one gap);
-    None below 3 tokens: the conductor's own judgement of a request (scheduler/outcomes.py).
-    The gap before the second token is the prefill -> decode hand-off, judged on its own
-    (`second_token_within`), as it is for every system replayed."""
-    from mooncake_server.roles.conductor.scheduler.outcomes import longest_tenth_mean
-
-    return longest_tenth_mean([b - a for a, b in itertools.pairwise(token_times[1:])])
-
-
-def second_token_within(token_times: Sequence[float], ttft_slo: float, tbt_slo: float) -> bool:
-    """The second token (if any) came within TTFT + TBT SLOs of the request being sent."""
-    return len(token_times) < 2 or token_times[1] <= ttft_slo + tbt_slo
-
-
-@dataclass
-class Summary:
-    """The figures of one configuration's replay."""
-
-    requests: int
-    ok: int
-    rejected: int
-    errors: int
-    ttft_p50: float
-    ttft_p90: float
-    ttft_p99: float
-    ttft_mean: float
-    tbt_p50: float
-    tbt_p90: float
-    tbt_p99: float
-    cache_hit_rate: float
-    computed_tokens_per_request: float
-    within_slo: float  # effective request capacity: share of all requests within both SLOs
-    accepted_within_slo: float  # of the requests not rejected, the share within both SLOs
-    prefill_seconds_per_request: float = float("nan")
-    wall_s: float = 0.0
-
-
-def within_slo(o: Outcome, ttft_slo: float, tbt_slo: float) -> bool:
-    """Answered, first token within the TTFT SLO, second within TTFT + TBT, TBT (if it has
-    one) within the TBT SLO."""
-    tbt = request_tbt(o.token_times)
-    return (o.status == "ok" and o.ttft_s is not None and o.ttft_s <= ttft_slo
-            and second_token_within(o.token_times, ttft_slo, tbt_slo)
-            and (tbt is None or tbt <= tbt_slo))
-
-
-def summarize(outcomes: Sequence[Outcome], ttft_slo: float, tbt_slo: float) -> Summary:
-    """Percentiles, hit rate and SLO attainment over `outcomes`."""
-    ok = [o for o in outcomes if o.status == "ok"]
-    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
-    tbts = [t for t in (request_tbt(o.token_times) for o in ok) if t is not None]
-    prompt = sum(o.prompt_tokens for o in ok)
-    cached = sum(o.cached_tokens for o in ok)
-    good = sum(1 for o in outcomes if within_slo(o, ttft_slo, tbt_slo))
-    rejected = sum(1 for o in outcomes if o.status == "rejected")
-    accepted = len(outcomes) - rejected
-    return Summary(
-        requests=len(outcomes), ok=len(ok), rejected=rejected,
-        errors=sum(1 for o in outcomes if o.status == "error"),
-        ttft_p50=percentile(ttfts, 50), ttft_p90=percentile(ttfts, 90),
-        ttft_p99=percentile(ttfts, 99),
-        ttft_mean=sum(ttfts) / len(ttfts) if ttfts else float("nan"),
-        tbt_p50=percentile(tbts, 50), tbt_p90=percentile(tbts, 90), tbt_p99=percentile(tbts, 99),
-        cache_hit_rate=cached / prompt if prompt else float("nan"),
-        computed_tokens_per_request=(prompt - cached) / len(ok) if ok else float("nan"),
-        within_slo=good / len(outcomes) if outcomes else float("nan"),
-        accepted_within_slo=good / accepted if accepted else float("nan"))
-
-
-def request_record(config: str, o: Outcome, ttft_slo: float, tbt_slo: float) -> dict[str, object]:
-    """One line of the report's requests.jsonl."""
-    return {"config": config, "index": o.index, "arrival_s": round(o.arrival_s, 6),
-            "status": o.status, "prompt_tokens": o.prompt_tokens,
-            "output_tokens": len(o.token_times), "max_tokens": o.max_tokens,
-            "cached_tokens": o.cached_tokens, "ttft_s": o.ttft_s,
-            "tbt_s": request_tbt(o.token_times),
-            "within_slo": within_slo(o, ttft_slo, tbt_slo), "error": o.error or None,
-            "request_id": o.request_id or None}
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mooncake_bench.report import Progress, write_report  # noqa: E402
+from mooncake_bench.systems import Launched, launch, model_of  # noqa: E402
+from mooncake_bench.trace import (  # noqa: E402
+    DEFAULT_TRACE,
+    TRACE_BLOCK,
+    Outcome,
+    PromptBuilder,
+    Summary,
+    TraceRequest,
+    load_trace,
+    request_record,
+    summarize,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The client
@@ -317,110 +136,6 @@ async def replay(url: str, model: str, trace: Sequence[TraceRequest], builder: P
 # Launching configurations
 
 
-@dataclass
-class Launched:
-    """A running configuration: its public URL and its prefill instances' URLs."""
-
-    name: str
-    url: str
-    prefill_urls: list[str]
-    secret: str
-    pids: list[int] = field(default_factory=list)  # the processes started, to reap their trees
-
-
-_SPEC = re.compile(r"^(\d+)p(\d+)d(?::([a-z-]+))?$")
-
-
-def _wait_healthy(url: str, procs: list[subprocess.Popen[bytes]], want: dict[str, int],
-                  timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a server process exited during start-up")
-        try:
-            r = httpx.get(f"{url}/health", timeout=2)
-            counts = r.json().get("instances", {}) if r.status_code == 200 else None
-            if r.status_code == 200 and all((counts or {}).get(k, 0) >= v
-                                            for k, v in want.items()):
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not become healthy in {timeout_s:.0f} s")
-
-
-@contextmanager
-def launch(spec: str, server_args: list[str], conductor_args: list[str],
-           log_dir: Path, prefill_args: Sequence[str] = (),
-           decode_args: Sequence[str] = (), store_memory: str = "1GiB") -> Iterator[Launched]:
-    """Start configuration `spec` on free ports; stop it on exit.
-
-    `prefill_args` / `decode_args` go to those roles only (`all`: to every role; `colocated`:
-    prefill_args, its engine prefills).
-    """
-    from mooncake_testkit.ports import free_port_block
-
-    secret = secrets.token_hex(16)
-    env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": secret}
-    py = [sys.executable, "-m", "mooncake_server"]
-    common = ["--kv-memory", "512MiB", *server_args]
-    m = _SPEC.match(spec)
-    engines = int(m.group(1)) + int(m.group(2)) if m else 2 if spec == "all" else 1
-    if spec not in ("colocated", "all") and not any(a.startswith("--torch-threads")
-                                                    for a in server_args):
-        # Roles started one by one share no core budget board (`all` makes one, colocated is
-        # alone): each engine process gets a fixed share of the cores.
-        common += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // engines))]
-    if spec in ("colocated", "all"):
-        port = free_port_block(6)
-        extra = [*prefill_args] if spec == "colocated" else [*conductor_args, *decode_args]
-        argvs = [[*py, "--role", spec, "--port", str(port), "--memory", store_memory, *common,
-                  *extra]]
-        prefill_urls = [f"http://127.0.0.1:{port + 2}"] if spec == "all" else []
-        want = {"prefill": 1, "decode": 1} if spec == "all" else {}
-    elif m:
-        n_p, n_d, policy = int(m.group(1)), int(m.group(2)), m.group(3)
-        port = free_port_block(3 + n_p + n_d)
-        conductor = f"http://127.0.0.1:{port}"
-        argvs = [[*py, "--role", "conductor", "--port", str(port), *server_args,
-                  *conductor_args, *(["--policy", policy] if policy else [])],
-                 [*py, "--role", "store", "--port", str(port + 1), "--memory", store_memory,
-                  "--conductor-url", conductor, *server_args]]
-        prefill_urls = []
-        for i in range(n_p + n_d):
-            role = "prefill" if i < n_p else "decode"
-            argvs.append([*py, "--role", role, "--port", str(port + 2 + i), "--conductor-url",
-                          conductor, "--instance-id", f"{role}-{i}", *common,
-                          *(prefill_args if role == "prefill" else decode_args)])
-            if role == "prefill":
-                prefill_urls.append(f"http://127.0.0.1:{port + 2 + i}")
-        want = {"prefill": n_p, "decode": n_d, "store": 1}
-    else:
-        raise ValueError(f"--launch: unknown configuration {spec!r} "
-                         "(colocated, all, or PpDd[:policy] such as 2p1d:load)")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen[bytes]] = []
-    with ExitStack() as logs:
-        try:
-            for i, argv in enumerate(argvs):
-                log = logs.enter_context(open(log_dir / f"{spec.replace(':', '_')}-{i}.log", "wb"))
-                procs.append(subprocess.Popen(argv, env=env, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
-            url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url, procs, want)
-            yield Launched(spec, url, prefill_urls, secret, [p.pid for p in procs])
-        finally:
-            for p in reversed(procs):
-                if p.poll() is None:
-                    p.send_signal(signal.SIGINT)  # graceful
-            for p in procs:
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-
-
 def prefill_seconds(urls: Sequence[str], secret: str) -> float | None:
     """Total `mooncake_prefill_seconds_sum` over prefill instances (None if none answers)."""
     from mooncake_server.wire.auth import secret_headers
@@ -442,10 +157,6 @@ def prefill_seconds(urls: Sequence[str], secret: str) -> float | None:
 # Main
 
 
-def _model_of(url: str, given: str | None) -> str:
-    return given or str(httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"])
-
-
 class ConfigRun(NamedTuple):
     """One configuration's replay: its figures and every request's outcome."""
 
@@ -456,7 +167,7 @@ class ConfigRun(NamedTuple):
 def run_one(url: str, args: argparse.Namespace, trace: list[TraceRequest],
             launched: Launched | None = None, name: str = "replay") -> ConfigRun:
     """Warm up, replay, summarize."""
-    model = _model_of(url, args.model)
+    model = model_of(url, args.model)
     builder = PromptBuilder(args.block_tokens, tuple(args.token_range), args.seed)
     warm = PromptBuilder(args.block_tokens, tuple(args.token_range), args.seed + 1)
     asyncio.run(replay(url, model, trace[:1], warm, 0.0, 2))  # warm-up, unrelated prefix
@@ -558,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     trace = load_trace(args.trace, args.start, args.max_requests)
     if not trace:
         raise SystemExit("no requests in the selected trace slice")
-    print(f"{len(trace)} requests over {(trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000:.1f}"
+    span_s = (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000
+    print(f"{len(trace)} requests over {span_s:.1f}"
           f" s of trace time x {args.time_scale:g}; block {TRACE_BLOCK} -> {args.block_tokens} "
           "tokens")
     runs: dict[str, ConfigRun] = {}

@@ -13,6 +13,10 @@ from typing import ClassVar
 import httpx
 import pytest
 
+from mooncake_bench import client as bench_client
+from mooncake_bench import machine, report, workloads
+from mooncake_bench import trace as bench_trace
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -36,11 +40,11 @@ model name\t: Intel(R) Xeon(R) Processor
 
 
 def test_cpu_info_reads_model_and_flags(bs: ModuleType) -> None:
-    info = bs.cpu_info(CPUINFO)
+    info = machine.cpu_info(CPUINFO)
     assert info["model"] == "Intel(R) Xeon(R) Processor"
     assert info["flags"]["avx2"] and info["flags"]["avx512_bf16"]
     assert not info["flags"]["amx_bf16"]
-    assert bs.cpu_info("")["model"] == "unknown"
+    assert machine.cpu_info("")["model"] == "unknown"
 
 
 def test_ratio_handles_missing_and_zero(bs: ModuleType) -> None:
@@ -67,11 +71,11 @@ class FakePrompts:
 
 
 def test_bodies_ask_each_server_for_exact_lengths_its_way(bs: ModuleType) -> None:
-    moon = bs.completion_body(bs.Api("mooncake", "http://x", "m"), [5, 6], 7)
+    moon = bench_client.completion_body(bench_client.Api("mooncake", "http://x", "m"), [5, 6], 7)
     assert moon["prompt"] == [5, 6] and moon["ignore_eos"] is True
     assert moon["max_tokens"] == 7 and moon["stream"] and moon["temperature"] == 0
     assert "generation_config" not in moon
-    tf = bs.completion_body(bs.Api("tfserve", "http://x", "/m", FakePrompts()), [5, 6], 7)
+    tf = bench_client.completion_body(bench_client.Api("tfserve", "http://x", "/m", FakePrompts()), [5, 6], 7)
     assert tf["prompt"] == " w5 w6" and "ignore_eos" not in tf and "stream_options" not in tf
     # A JSON string: transformers serve json.loads() it.
     assert json.loads(tf["generation_config"]) == {"max_new_tokens": 7, "eos_token_id": -1}
@@ -104,15 +108,15 @@ async def test_send_counts_text_chunks_as_tokens(bs: ModuleType) -> None:
             {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2,
                                       "prompt_tokens_details": {"cached_tokens": 1}}}]))
 
-    moon = bs.Api("mooncake", "http://x", "m")
-    tf = bs.Api("tfserve", "http://x", "m", FakePrompts())
+    moon = bench_client.Api("mooncake", "http://x", "m")
+    tf = bench_client.Api("tfserve", "http://x", "m", FakePrompts())
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        m = await bs.send(client, moon, [7, 8], 2)
-        t = await bs.send(client, tf, [7, 8], 2)
-        rejected = await bs.send(client, moon, [1], 2)
-        unprocessable = await bs.send(client, moon, [2], 2)
-        failed = await bs.send(client, moon, [3], 2)
-        cut = await bs.send(client, moon, [4], 2)
+        m = await bench_client.send(client, moon, [7, 8], 2)
+        t = await bench_client.send(client, tf, [7, 8], 2)
+        rejected = await bench_client.send(client, moon, [1], 2)
+        unprocessable = await bench_client.send(client, moon, [2], 2)
+        failed = await bench_client.send(client, moon, [3], 2)
+        cut = await bench_client.send(client, moon, [4], 2)
     for r in (m, t):
         assert r.status == "ok" and len(r.token_times) == 2 and r.completion_tokens == 2
         assert r.ttft_s == r.token_times[0] and r.finished
@@ -125,7 +129,7 @@ async def test_send_counts_text_chunks_as_tokens(bs: ModuleType) -> None:
 
 def result(bs: ModuleType, times: list[float], status: str = "ok", tokens: int | None = None):
     n = len(times) if tokens is None else tokens
-    return bs.Result(status, ttft_s=times[0] if times else None, token_times=times,
+    return bench_client.Result(status, ttft_s=times[0] if times else None, token_times=times,
                      requested_tokens=len(times), completion_tokens=n)
 
 
@@ -134,7 +138,7 @@ def test_concurrent_summary_pools_gaps_and_per_request_tbt(bs: ModuleType) -> No
                result(bs, [2.0, 2.5, 3.0, 3.5]),  # gaps 0.5
                result(bs, [0.5, 0.6, 0.7, 0.8], tokens=3),  # gaps 0.1, one token short
                result(bs, [], status="error")]
-    s = bs.concurrent_summary(results, wall_s=4.0)
+    s = workloads.concurrent_summary(results, wall_s=4.0)
     assert (s["requests"], s["ok"], s["errors"], s["short"]) == (4, 3, 1, 1)
     assert s["output_tokens"] == 11 and s["output_tok_s"] == pytest.approx(11 / 4)
     assert s["tbt_p50_gaps"] == pytest.approx(0.1)  # 6 gaps of 0.1, 3 of 0.5
@@ -174,8 +178,8 @@ def test_targets_from_results(bs: ModuleType) -> None:
 
 def test_replay_summary_counts_capacity(bs: ModuleType) -> None:
     results = [result(bs, [0.5, 0.6]), result(bs, [6.0, 6.1]),  # 2nd: TTFT above 5 s
-               bs.Result("rejected"), bs.Result("error", error="x")]
-    s = bs.replay_summary(results, ttft_slo=5.0, tbt_slo=0.2, wall_s=10.0)
+               bench_client.Result("rejected"), bench_client.Result("error", error="x")]
+    s = workloads.replay_summary(results, ttft_slo=5.0, tbt_slo=0.2, wall_s=10.0)
     assert s["within_slo_count"] == 1 and s["within_slo"] == pytest.approx(0.25)
     assert s["accepted_within_slo"] == pytest.approx(1 / 3)
     assert (s["rejected"], s["errors"], s["wall_s"]) == (1, 1, 10.0)
@@ -192,7 +196,7 @@ def test_quick_fills_defaults_and_flags_win(bs: ModuleType) -> None:
 
 
 def test_json_safe_turns_nan_into_null(bs: ModuleType) -> None:
-    doc = bs.json_safe({"a": float("nan"), "b": [1.0, float("inf")], 3: {"c": 2}})
+    doc = report.json_safe({"a": float("nan"), "b": [1.0, float("inf")], 3: {"c": 2}})
     assert json.loads(json.dumps(doc, allow_nan=False)) == {"a": None, "b": [1.0, None],
                                                             "3": {"c": 2}}
 
@@ -215,7 +219,7 @@ class StubTokenizer:
 
 
 def test_word_token_ids_keep_only_round_tripping_words(bs: ModuleType) -> None:
-    assert bs.word_token_ids(StubTokenizer()) == [1001, 1002]
+    assert bench_client.word_token_ids(StubTokenizer()) == [1001, 1002]
 
 
 def _model_dir() -> Path | None:
@@ -229,7 +233,7 @@ def _model_dir() -> Path | None:
 
 @pytest.mark.skipif(_model_dir() is None, reason="default model not converted yet")
 def test_word_prompts_round_trip_through_the_real_tokenizer(bs: ModuleType) -> None:
-    prompts = bs.Prompts(_model_dir())
+    prompts = bench_client.Prompts(_model_dir())
     assert len(prompts.ids) > 10000
     for n, seed in ((1, "a"), (257, "b"), (4096, "c")):
         ids = prompts.random(n, seed)
@@ -237,7 +241,7 @@ def test_word_prompts_round_trip_through_the_real_tokenizer(bs: ModuleType) -> N
     assert prompts.random(64, "x") == prompts.random(64, "x") != prompts.random(64, "y")
     # Trace prompts keep replay_trace's shared prefixes after the mapping to words.
     b = prompts.builder(16, 0)
-    rt = sys.modules["replay_trace"]
+    rt = bench_trace
     x = prompts.trace_prompt(b, rt.TraceRequest(0, 3 * 512, 4, (1, 2, 3)), 0)
     y = prompts.trace_prompt(b, rt.TraceRequest(0, 3 * 512, 4, (1, 2, 9)), 1)
     assert x[:32] == y[:32] and x[32:] != y[32:] and prompts.round_trips(x)

@@ -1,4 +1,5 @@
-"""scripts/replay_trace.py's report folder and progress line, and a real replay of the sample."""
+"""scripts/replay_trace.py's report folder and progress line (mooncake_bench/report.py), and a
+real replay of the sample."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def load_script(name: str) -> ModuleType:
 
 @pytest.fixture(scope="module")
 def report() -> ModuleType:
-    return load_script("replay_report")
+    import mooncake_bench.report
+
+    return mooncake_bench.report
 
 
 @pytest.fixture(scope="module")

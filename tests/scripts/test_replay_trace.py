@@ -1,4 +1,5 @@
-"""scripts/replay_trace.py: trace -> prompts keeps the prefix structure; the statistics."""
+"""scripts/replay_trace.py and mooncake_bench: trace -> prompts keeps the prefix structure; the
+statistics."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from types import ModuleType
 
 import httpx
 import pytest
+
+from mooncake_bench import systems
+from mooncake_bench import trace as bench_trace
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "traces" / "mooncake_sample.jsonl"  # the first 300 lines of the paper's trace
@@ -87,18 +91,18 @@ def test_tbt_is_the_mean_of_the_longest_tenth_of_gaps(rt: ModuleType) -> None:
     times = [0.0, 0.9]  # the hand-off to decode, then 20 decode gaps
     for gap in [0.1] * 18 + [1.0, 2.0]:  # the longest 10% are 2.0 and 1.0
         times.append(times[-1] + gap)
-    assert rt.request_tbt(times) == pytest.approx(1.5)
-    assert rt.request_tbt([0.0, 0.5, 0.8]) == pytest.approx(0.3)
-    assert rt.request_tbt([0.0, 0.3]) is None  # its only gap is the hand-off
-    assert rt.second_token_within([1.0, 1.4], ttft_slo=1.0, tbt_slo=0.5)
-    assert not rt.second_token_within([1.0, 1.6], ttft_slo=1.0, tbt_slo=0.5)
+    assert bench_trace.request_tbt(times) == pytest.approx(1.5)
+    assert bench_trace.request_tbt([0.0, 0.5, 0.8]) == pytest.approx(0.3)
+    assert bench_trace.request_tbt([0.0, 0.3]) is None  # its only gap is the hand-off
+    assert bench_trace.second_token_within([1.0, 1.4], ttft_slo=1.0, tbt_slo=0.5)
+    assert not bench_trace.second_token_within([1.0, 1.6], ttft_slo=1.0, tbt_slo=0.5)
 
 
 def test_percentiles_interpolate(rt: ModuleType) -> None:
     values = list(range(1, 101))
-    assert rt.percentile(values, 50) == pytest.approx(50.5)
-    assert rt.percentile(values, 99) == pytest.approx(99.01)
-    assert math.isnan(rt.percentile([], 50))
+    assert bench_trace.percentile(values, 50) == pytest.approx(50.5)
+    assert bench_trace.percentile(values, 99) == pytest.approx(99.01)
+    assert math.isnan(bench_trace.percentile([], 50))
 
 
 def test_summary_counts_slo_attainment_rejections_and_hits(rt: ModuleType) -> None:
@@ -144,5 +148,5 @@ async def test_send_reads_a_stream_and_recognises_429(rt: ModuleType) -> None:
 
 def test_unknown_launch_spec_is_a_clear_error(rt: ModuleType, tmp_path: Path) -> None:
     with (pytest.raises(ValueError, match="--launch: unknown configuration"),
-          rt.launch("three-nodes", [], [], tmp_path)):
+          systems.launch("three-nodes", [], [], tmp_path)):
         pass

@@ -3,7 +3,8 @@
 The folder holds `requests.jsonl` (one line per request and configuration), `summary.json` (each
 configuration's figures, effective capacity included) and `cdf.png` (TTFT and TBT CDFs per
 configuration with the SLOs drawn, and effective capacity per configuration). It works from plain
-dicts, so it needs nothing from the replay script; matplotlib is imported only to draw the PNG.
+dicts (scripts/replay_trace.py writes them, other benchmarks may); matplotlib is imported only to
+draw the PNG.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [json_safe(v) for v in value]
     return value
