@@ -75,7 +75,8 @@ def test_bodies_ask_each_server_for_exact_lengths_its_way(bs: ModuleType) -> Non
     assert moon["prompt"] == [5, 6] and moon["ignore_eos"] is True
     assert moon["max_tokens"] == 7 and moon["stream"] and moon["temperature"] == 0
     assert "generation_config" not in moon
-    tf = bench_client.completion_body(bench_client.Api("tfserve", "http://x", "/m", FakePrompts()), [5, 6], 7)
+    tf_api = bench_client.Api("tfserve", "http://x", "/m", FakePrompts())
+    tf = bench_client.completion_body(tf_api, [5, 6], 7)
     assert tf["prompt"] == " w5 w6" and "ignore_eos" not in tf and "stream_options" not in tf
     # A JSON string: transformers serve json.loads() it.
     assert json.loads(tf["generation_config"]) == {"max_new_tokens": 7, "eos_token_id": -1}
