@@ -50,8 +50,9 @@ class ColocatedAdmission:
         self.decode = TailCalibration(quantile=0.9)
         # Prompt tokens' speed, kept for a minute (bursts come tens of seconds apart; forgotten
         # after 10 s, a burst's passes were sized by the decode's ratio, a third of theirs, and
-        # took 430 ms against a 150 ms budget). The median sums into TTFTs; the slower half's
-        # mean sizes a pass, which must fit the TBT budget (as roles/prefill/chunk_budget.py).
+        # took 430 ms against a 150 ms budget). Their ratio taken together (`weighted_mean`)
+        # sums into TTFTs; the slower half's mean sizes a pass, which must fit the TBT budget
+        # (as roles/prefill/chunk_budget.py).
         self.prefill = TailCalibration(quantile=0.5, horizon_s=SPEED_HORIZON_S)
         self.prefill_tail = TailMeanCalibration(quantile=0.5, horizon_s=SPEED_HORIZON_S)
         self._quiet = 1.0  # measured / modelled quiet step, the fallback of `decode`
