@@ -97,7 +97,8 @@ def run_goodput(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """bench_goodput's points for `--role all` with SLOs and `--role colocated` (or a given run)."""
     if args.goodput:
         given = Path(args.goodput)
-        shutil.copy(given.with_name("goodput.png"), out / "goodput.png")
+        if given.with_name("goodput.png").exists():
+            shutil.copy(given.with_name("goodput.png"), out / "goodput.png")
         return json.loads(given.read_text())
     folder = out / "goodput-run"
     cmd = [sys.executable, str(SCRIPTS / "bench_goodput.py"), "--systems", "all-slo,colocated",
