@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for every launched server process (repeat; e.g. "
                         "--server-arg=--torch-threads=1)")
+    p.add_argument("--decode-arg", action="append", default=[],
+                   help="extra flag for launched decode instances only (repeat; e.g. "
+                        "--decode-arg=--kv-memory=4GiB so no request waits for KV memory)")
     p.add_argument("--prefill-arg", action="append", default=[],
                    help="extra flag for launched prefill instances only (repeat; e.g. "
                         "--prefill-arg=--kv-memory=256MiB for small local prefix caches)")
@@ -276,11 +279,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     runs: dict[str, ConfigRun] = {}
     if args.launch:
         conductor_args = ["--profile", args.profile] if args.profile else []
-        decode_args = []
+        decode_args = list(args.decode_arg)
         if args.early_reject:
             conductor_args += ["--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo)]
             # Decode admission control refuses what would break the TBT SLO.
-            decode_args = ["--tbt-slo", str(args.tbt_slo)]
+            decode_args += ["--tbt-slo", str(args.tbt_slo)]
         for spec in [s.strip() for s in args.launch.split(",") if s.strip()]:
             print(f"launching {spec} ...", flush=True)
             with launch(spec, args.server_arg, conductor_args, Path(args.logs),

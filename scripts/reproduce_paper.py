@@ -82,6 +82,9 @@ def run_policies(args: argparse.Namespace, out: Path) -> dict[str, Any]:
            "--trace", args.policy_trace, "--start", str(args.policy_start),
            "--max-requests", str(args.policy_requests), "--time-scale", str(args.time_scale),
            "--block-tokens", "16", "--max-output-tokens", "16", "--json", str(raw),
+           # A decode's default KV pool (512 MiB, ~11k tokens here) refused half of 80 requests
+           # (429) under every policy: the comparison was of refusals, not of placement.
+           "--decode-arg=--kv-memory=4GiB",
            "--report", str(out / "policies-replay"), "--logs", str(out / "logs" / "policies")]
     subprocess.run(cmd, check=True)
     summaries = json.loads(raw.read_text())
