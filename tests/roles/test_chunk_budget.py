@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.cost_model.passes import MIN_CHUNK
+from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
 from mooncake_server.roles.prefill.worker import HANDOFF_GRACE_S, decode_beside
 from mooncake_server.wire.instances import PassSplit

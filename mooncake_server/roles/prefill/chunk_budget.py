@@ -29,7 +29,6 @@ from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.wire.instances import PassSplit
 
 
-
 class ChunkBudget:
     """The prompt-token chunk of a pass beside decoding: --decode-chunk, or what fits the SLO."""
 
