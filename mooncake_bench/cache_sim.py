@@ -19,6 +19,7 @@ requests share block i exactly when they share ids 0..i.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -116,6 +117,14 @@ def request_keys(hash_ids: Sequence[int]) -> list[str]:
 def simulate(requests: Iterable[Sequence[int]], capacity_blocks: int, *, mode: str = "global",
              nodes: int = 4, high_watermark: float = 0.95) -> SimResult:
     """Replay requests (each its hash ids) through a cache set-up of `capacity_blocks` in all."""
+    return simulate_keys([request_keys(r) for r in requests], capacity_blocks, mode=mode,
+                         nodes=nodes, high_watermark=high_watermark)
+
+
+def simulate_keys(requests: Sequence[list[str]], capacity_blocks: int, *, mode: str = "global",
+                  nodes: int = 4, high_watermark: float = 0.95) -> SimResult:
+    """`simulate` over requests already turned into keys (`request_keys`): hashed once for
+    every capacity and mode a sweep runs."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if nodes < 1 or capacity_blocks < nodes:
@@ -129,9 +138,8 @@ def simulate(requests: Iterable[Sequence[int]], capacity_blocks: int, *, mode: s
     ring = HashRing(by_id)
     alive = set(by_id)
     turn = itertools.cycle(sims)
-    for hash_ids in requests:
+    for keys in requests:
         clock.now += 1.0
-        keys = request_keys(hash_ids)
         if index is not None:
             hit = index.prefix(keys, alive)
             for node, group in _by_node(keys[:hit], index, alive).items():
@@ -183,8 +191,10 @@ def _aware_pick(sims: list[SimNode], keys: list[str]) -> SimNode:
 def reused_share(requests: Iterable[Sequence[int]]) -> float:
     """Share of distinct blocks that more than one request asks for: how much of a trace any
     cache could ever reuse (the paper's Table 2 reads it beside the hit rates)."""
-    counts: dict[str, int] = {}
-    for hash_ids in requests:
-        for key in request_keys(hash_ids):
-            counts[key] = counts.get(key, 0) + 1
+    return reused_share_of_keys([request_keys(r) for r in requests])
+
+
+def reused_share_of_keys(requests: Iterable[list[str]]) -> float:
+    """`reused_share` over requests already turned into keys."""
+    counts = Counter(key for keys in requests for key in keys)
     return sum(1 for c in counts.values() if c > 1) / len(counts) if counts else 0.0

@@ -53,12 +53,18 @@ def policy_claims(ttft: dict[str, float]) -> list[Claim]:
     return claims
 
 
+def by_capacity(points: Sequence[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Cache points as capacity -> mode -> hit rate."""
+    out: dict[int, dict[str, float]] = {}
+    for p in points:
+        out.setdefault(int(p["capacity_blocks"]), {})[p["mode"]] = float(p["hit_rate"])
+    return out
+
+
 def cache_claims(points: Sequence[dict[str, Any]]) -> list[Claim]:
     """Fig. 9/10: the global pool's hit rate is at least the local caches' at every capacity."""
     claims = []
-    by_cap: dict[int, dict[str, float]] = {}
-    for p in points:
-        by_cap.setdefault(int(p["capacity_blocks"]), {})[p["mode"]] = float(p["hit_rate"])
+    by_cap = by_capacity(points)
     for local in ("local", "local-aware"):
         pairs = [(c, m["global"], m[local]) for c, m in sorted(by_cap.items())
                  if "global" in m and local in m]
@@ -117,10 +123,7 @@ def write_report(out: Path, scale: dict[str, Any], sections: dict[str, Any],
                   f"{cache['reused_share']:.1%} of the distinct ones; {cache['nodes']} nodes "
                   "or local caches.", "", "| capacity (blocks) | global | local | local-aware |",
                   "|---|---|---|---|"]
-        by_cap: dict[int, dict[str, float]] = {}
-        for p in cache["points"]:
-            by_cap.setdefault(p["capacity_blocks"], {})[p["mode"]] = p["hit_rate"]
-        for cap, modes in sorted(by_cap.items()):
+        for cap, modes in sorted(by_capacity(cache["points"]).items()):
             lines.append(f"| {cap} | " + " | ".join(
                 f"{modes[m]:.1%}" if m in modes else "-"
                 for m in ("global", "local", "local-aware")) + " |")

@@ -146,11 +146,7 @@ def plot_cdfs(path: Path, records: Sequence[Mapping[str, Any]],
               summaries: Mapping[str, Mapping[str, Any]], ttft_slo: float,
               tbt_slo: float) -> None:
     """TTFT and TBT CDFs per configuration with the SLO lines, and effective capacity bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on servers and CI
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax_ttft, ax_tbt, ax_cap) = plt.subplots(1, 3, figsize=(15, 4.5))
     names = list(summaries)
     colors = [f"C{i % 10}" for i in range(len(names))]
@@ -183,4 +179,40 @@ def plot_cdfs(path: Path, records: Sequence[Mapping[str, Any]],
     ax_cap.set_title("effective capacity", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files only (no display on servers and CI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def line_chart(path: Path, lines: Mapping[str, Sequence[tuple[float, float]]], xlabel: str,
+               ylabel: str, *, ylim: tuple[float, float] = (0.0, 1.05), xlog: bool = False,
+               hline: float | None = None, dashed: Mapping[str, Sequence[tuple[float, float]]]
+               | None = None) -> None:
+    """One line per series (points sorted by x), dashed reference lines, a dotted `hline`."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in lines.items():
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o", label=label)
+    for label, pts in (dashed or {}).items():
+        if pts:
+            ax.plot(*zip(*sorted(pts)), ls="--", color="grey", label=label)
+    if hline is not None:
+        ax.axhline(hline, color="red", lw=0.8, ls=":")
+    if xlog:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(*ylim)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -37,41 +37,38 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from mooncake_bench import paper  # noqa: E402  (the checkout's package, installed or not)
-from mooncake_bench.cache_sim import MODES, reused_share, simulate  # noqa: E402
+from mooncake_bench.cache_sim import (  # noqa: E402
+    MODES,
+    request_keys,
+    reused_share_of_keys,
+    simulate_keys,
+)
+from mooncake_bench.machine import cpu_info  # noqa: E402
+from mooncake_bench.report import line_chart, pyplot  # noqa: E402
+from mooncake_bench.trace import SYNTHETIC_TRACE, load_trace  # noqa: E402
 
 SCRIPTS = ROOT / "scripts"
-TRACES = ROOT / "traces"
 STEPS = ("cache", "policies", "goodput")
 POLICIES = ("random", "load", "cache-local", "cache-global")
-
-
-def load_hash_ids(path: Path, limit: int | None = None) -> list[list[int]]:
-    """Each request's hash ids, in trace order."""
-    out = []
-    with path.open() as f:
-        for line in f:
-            if line.strip():
-                out.append(json.loads(line)["hash_ids"])
-            if limit is not None and len(out) >= limit:
-                break
-    return out
 
 
 def run_cache(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Hit rates of every mode over capacities (seconds per point, no model)."""
     # The store warns of each refused key; a simulated cache smaller than a request refuses many.
     logging.getLogger("mooncake_server.roles.store.objects").setLevel(logging.ERROR)
-    requests = load_hash_ids(Path(args.cache_trace), args.cache_requests)
-    blocks = sum(len(r) for r in requests)
+    # Each request's keys are hashed once for every point.
+    keys = [request_keys(r.hash_ids)
+            for r in load_trace(args.cache_trace, 0, args.cache_requests)]
     caps = [int(c) for c in args.capacities.split(",")]
     points = []
     for cap in tqdm(caps, desc="cache capacities", leave=False):
         for mode in MODES:
-            r = simulate(requests, cap, mode=mode, nodes=args.nodes)
+            r = simulate_keys(keys, cap, mode=mode, nodes=args.nodes)
             points.append({"mode": mode, "capacity_blocks": r.capacity_blocks,
                            "hit_rate": r.hit_rate, "hits": r.hits})
-    return {"trace": str(args.cache_trace), "requests": len(requests), "blocks": blocks,
-            "nodes": args.nodes, "reused_share": reused_share(requests), "points": points}
+    return {"trace": str(args.cache_trace), "requests": len(keys),
+            "blocks": sum(len(k) for k in keys), "nodes": args.nodes,
+            "reused_share": reused_share_of_keys(keys), "points": points}
 
 
 def run_policies(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -115,24 +112,15 @@ def run_goodput(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def plot_cache(data: dict[str, Any], path: Path) -> None:
     """Hit rate against total capacity, one line per mode (Fig. 9/10 style)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in MODES:
-        pts = sorted((p["capacity_blocks"], p["hit_rate"]) for p in data["points"]
-                     if p["mode"] == mode)
-        ax.plot(*zip(*pts), marker="o", label=mode)
-    ax.set_xscale("log")
-    ax.set_xlabel("cache capacity, all nodes (blocks)")
-    ax.set_ylabel("prefix-cache hit rate (blocks)")
-    ax.set_ylim(0, 1)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    line_chart(path, {mode: [(p["capacity_blocks"], p["hit_rate"]) for p in data["points"]
+                             if p["mode"] == mode] for mode in MODES},
+               "cache capacity, all nodes (blocks)", "prefix-cache hit rate (blocks)",
+               ylim=(0.0, 1.0), xlog=True)
 
 
 def plot_policies(data: dict[str, Any], path: Path) -> None:
     """Mean TTFT per policy beside the paper's (Fig. 5 style)."""
-    plt = _pyplot()
+    plt = pyplot()
     names = [p for p in POLICIES if p in data]
     fig, (ours, theirs) = plt.subplots(1, 2, figsize=(8, 3.5))
     ours.bar(names, [data[p]["ttft_mean"] for p in names])
@@ -144,15 +132,7 @@ def plot_policies(data: dict[str, Any], path: Path) -> None:
         ax.tick_params(axis="x", labelrotation=20)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    plt.close(fig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,13 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="report folder (default paper-report/<time>)")
     p.add_argument("--resume", default=None, help="a report folder: steps done there are kept")
     p.add_argument("--steps", default=",".join(STEPS), help="which steps to run")
-    p.add_argument("--cache-trace", default=str(TRACES / "synthetic_trace.jsonl"))
+    p.add_argument("--cache-trace", default=str(SYNTHETIC_TRACE))
     p.add_argument("--cache-requests", type=int, default=None, help="first N requests only")
     p.add_argument("--capacities", default=None, help="total cache capacities, in blocks")
     p.add_argument("--nodes", type=int, default=4, help="store nodes / local caches")
-    p.add_argument("--policy-trace", default=str(TRACES / "synthetic_trace.jsonl"))
-    # The trace's last stretch: 29% of its blocks repeat within 80 requests there, under 5% in
-    # earlier ones (its reuse is mostly far apart), where placement by cache has nothing to find.
+    p.add_argument("--policy-trace", default=str(SYNTHETIC_TRACE))
+    # The trace's last stretch: 29% of its blocks repeat within 80 requests there, under 10% in
+    # earlier ones (its reuse is mostly far apart), where placement by cache has little to find.
     p.add_argument("--policy-start", type=int, default=3600)
     p.add_argument("--policy-requests", type=int, default=None)
     p.add_argument("--time-scale", type=float, default=1.0)
@@ -213,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     if "goodput" in sections:
         claims += paper.goodput_claims(sections["goodput"]["points"])
     scale = {"model": "SmolLM2-135M-Instruct (bundled GGUF, default dtype)",
-             "machine": _cpu(), "serving blocks": "16 tokens per trace block (512 in the paper)",
+             "machine": _cpu(cpu_info()),
+             "serving blocks": "16 tokens per trace block (512 in the paper)",
              "policy runs": f"{args.policy_requests} requests from line {args.policy_start} of "
                             f"{args.policy_trace}, time scale {args.time_scale:g}, outputs <= 16, "
                             "2 prefill + 1 decode instances on the same cores",
@@ -224,18 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"report: {report}")
 
 
-def _cpu() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                 if line.startswith("model name")), "unknown CPU")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    cores = sum(1 for line in text.splitlines() if line.startswith("processor"))
-    kinds = [f for f in ("avx2", "avx512_vnni", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{name}, {cores} cores, {' '.join(kinds)}"
+def _cpu(info: dict[str, Any]) -> str:
+    """The CPU in one line: model, cores, the flags that decide inference speed it has."""
+    present = [f for f, on in info["flags"].items() if on]
+    return f"{info['model']}, {info['cores']} cores, {' '.join(present)}"
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ On shared cores a decode's token gap is its own step plus the prefill pass it wa
 The pass gets what the TBT SLO leaves after the decode's step (`GAP_SHARE` of the SLO in all),
 but never less than `MIN_PASS_SHARE` of it, so a prompt still moves beside a heavy batch; the
 conductor counts that least pass in a decode's TBT estimate. A fixed half of the SLO per pass
-(before) put gaps at step + 100 ms: a ten-sequence batch's 78 ms steps and the loop's own
-~35 ms made its requests' TBT 213 ms against a 200 ms SLO (goodput replay, x4, AVX512 EPYC).
+(before) put gaps at step + 100 ms: the eleven requests of one burst measured TBT 213 ms
+against a 200 ms SLO (goodput replay, x4, AVX512 EPYC).
 The prefill instance sizes its passes with these (roles/prefill/chunk_budget.py), the conductor
 predicts them with the same ones (scheduler/policy.py).
 """

@@ -163,6 +163,5 @@ def test_the_prompt_speed_outlasts_the_gap_between_bursts(tiny_model_pair) -> No
     for _ in range(5):
         admission.observed(96, 0, 0, 1.5 * MODEL.prefill_s(96))
     later = time.monotonic() + 30.0
-    for cal in (admission.prefill, admission.prefill_tail):
-        cal._recent._clock = lambda: later  # noqa: SLF001 - the calibration's own clock
+    admission.prefill._recent._clock = lambda: later  # noqa: SLF001 - its own clock
     assert admission.prefill_ratio == pytest.approx(1.5)

@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import httpx
 from store_procs import SECRET, addr_of, index_server, store_proc, until
 
 from mooncake_bench.cache_sim import BLOCK_BYTES, request_keys, simulate
+from mooncake_bench.trace import DEFAULT_TRACE, load_trace
 from mooncake_server.store_client.client import StoreClient
 from mooncake_server.transfer import TransferEngine, crc32c
 
-TRACE = Path(__file__).resolve().parents[2] / "traces" / "mooncake_sample.jsonl"
 CAPACITY_BLOCKS = 64  # small enough that the trace slice evicts
 MAX_BLOCKS = 24  # a request's blocks, at most (the slice's long prompts cut)
 
 
-def trace_slice(n: int) -> list[list[int]]:
+def trace_slice(n: int) -> list[tuple[int, ...]]:
     """The first `n` requests of the shipped sample, their hash ids cut to MAX_BLOCKS."""
-    with TRACE.open() as f:
-        return [json.loads(line)["hash_ids"][:MAX_BLOCKS] for _, line in zip(range(n), f)]
+    return [r.hash_ids[:MAX_BLOCKS] for r in load_trace(DEFAULT_TRACE, 0, n)]
 
 
 async def test_the_simulator_sees_the_hits_a_live_store_node_gives() -> None:

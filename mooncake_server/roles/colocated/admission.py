@@ -49,12 +49,11 @@ class ColocatedAdmission:
         self.tbt_slo_s = tbt_slo_s
         self.decode = TailCalibration(quantile=0.9)
         # Prompt tokens' speed, kept for a minute (bursts come tens of seconds apart; forgotten
-        # after 10 s, a burst's passes were sized by the decode's ratio, a third of theirs, and
-        # took 430 ms against a 150 ms budget). Their ratio taken together (`weighted_mean`)
-        # sums into TTFTs; the slower half's mean sizes a pass, which must fit the TBT budget
-        # (as roles/prefill/chunk_budget.py).
-        self.prefill = TailCalibration(quantile=0.5, horizon_s=SPEED_HORIZON_S)
-        self.prefill_tail = TailMeanCalibration(quantile=0.5, horizon_s=SPEED_HORIZON_S)
+        # after 10 s, a burst's passes were sized by the decode's ratio and its rows' gaps
+        # measured 430 ms against a 150 ms budget). Their ratio taken together (`weighted_mean`)
+        # sums into TTFTs; the slower half's mean (`value`) sizes a pass, which must fit the TBT
+        # budget (as roles/prefill/chunk_budget.py).
+        self.prefill = TailMeanCalibration(quantile=0.5, horizon_s=SPEED_HORIZON_S)
         self._quiet = 1.0  # measured / modelled quiet step, the fallback of `decode`
         self.gate: BurstGate[list[Sequence], None] = BurstGate(self._decide, window_s=window_s)
         self.rejected = 0
@@ -79,9 +78,7 @@ class ColocatedAdmission:
             self.decode.add(seconds, step)
             return
         rest = max(0.0, seconds - self.decode_ratio * step)
-        modelled = self.model.prefill_s(prompt_tokens)
-        self.prefill.add(rest, modelled)
-        self.prefill_tail.add(rest, modelled)
+        self.prefill.add(rest, self.model.prefill_s(prompt_tokens))
 
     @property
     def decode_ratio(self) -> float:
@@ -97,7 +94,7 @@ class ColocatedAdmission:
                   slow: bool = False) -> float:
         """A pass's time: its prompt tokens and its decoding rows, each by its own ratio
         (`slow`: the prompt tokens at the slower half's speed)."""
-        prefill = (self.prefill_tail.value if slow and self.prefill_tail.recent >= 3
+        prefill = (self.prefill.value if slow and self.prefill.recent >= 3
                    else self.prefill_ratio)
         return (prefill * self.model.prefill_s(prompt_tokens)
                 + self.decode_ratio * self.model.decode_step_s(rows, context))

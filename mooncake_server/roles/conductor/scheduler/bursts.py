@@ -10,7 +10,7 @@ prefill instance: the prompt tokens its first pass holds so far, and whether tha
 Once the burst is decided (`settle`): the ranks are renumbered per prefill instance (the
 instance waits for the ranks before its head, and ranks sent elsewhere never come), each job
 says how many ranks share its first pass (the instance waits for all of them before starting
-it: a pass started with the first two arrivals left the rest to later passes, 2 s apart), and
+it: a pass started with the first arrivals left the rest to later passes, 2 s apart), and
 every request of a first pass is predicted to answer when the pass ends, which it does, and must
 start by the pass's deadline, not its own.
 """

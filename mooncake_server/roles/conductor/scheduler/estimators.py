@@ -34,6 +34,7 @@ class PrefillEstimate(NamedTuple):
     # compute_s came from the instance's own PassSplit: the conductor's calibration is not
     # applied to it again.
     split: bool = False
+    first_pass: bool = False  # it joins its burst's first full pass (scheduler/bursts.py)
 
 
 def reusable_blocks(prompt_tokens: int, block_tokens: int) -> int:

@@ -97,8 +97,12 @@ class Plan(NamedTuple):
     # With --ttft-slo: the time.monotonic() by which its prefill must start to meet it (real
     # time, whatever clock the ledger runs on: the request path compares it with the wall).
     start_by: float | None = None
-    first_pass: bool = False  # its prefill joins its burst's first full pass (bursts.py)
     request_id: str = ""
+
+    @property
+    def first_pass(self) -> bool:
+        """Its prefill joins its burst's first full pass (bursts.py)."""
+        return self.prefill_estimate.first_pass
 
 
 class _DecodeChoice(NamedTuple):
@@ -217,11 +221,8 @@ class KVCacheScheduler:
         prefill = next(i for i in prefills if i.instance_id == best_p.instance_id)
         reuse = ("global" if self.policy is Policy.CACHE_GLOBAL and best_p.fetched_tokens
                  else "local")
-        beat = self.registry.load(best_p.instance_id)
-        first_pass = self._first_pass(best_p.instance_id, beat, busy_step, n)
         return Plan(prefill, best_d.info, best_p, best_d.tbt_s, reuse,
-                    cached_blocks=hits.get(STORE_WIDE, 0), first_pass=first_pass,
-                    request_id=request.request_id)
+                    cached_blocks=hits.get(STORE_WIDE, 0), request_id=request.request_id)
 
     def _best_decode(self, choices: list[_DecodeChoice]) -> _DecodeChoice:
         if self.policy is Policy.RANDOM:
@@ -262,8 +263,9 @@ class KVCacheScheduler:
         return modelled_s * self.tracker.decode_calibration(instance_id)
 
     def _passes(self, instance_id: str, beat: Heartbeat | None, busy_step: float,
-                burst_step: float, prompt_tokens: int) -> Passes | None:
-        """How a prompt placed now on the instance will be computed, by its own account.
+                burst_step: float, prompt_tokens: int) -> tuple[Passes | None, bool]:
+        """How a prompt placed now on the instance will be computed, by its own account, and
+        whether it joins its burst's first full pass.
 
         Its passes are cut while a decode on its cores has work: one does now (`busy_step`), the
         jobs queued ahead of its burst hand theirs on while it waits, or it runs after its
@@ -273,20 +275,20 @@ class KVCacheScheduler:
         """
         split = beat.passes if beat is not None else None
         if split is None:
-            return None
+            return None, False
         if not split.shared:
-            return Passes(split.chunk_tokens, split.ratio)
+            return Passes(split.chunk_tokens, split.ratio), False
         if self._queued_before_burst(instance_id, beat, busy_step):
             step = busy_step
         elif not self._burst.fits_first_pass(instance_id, prompt_tokens, split.chunk_tokens):
             step = max(busy_step, burst_step)
         else:
-            return Passes(split.chunk_tokens, split.ratio)
+            return Passes(split.chunk_tokens, split.ratio), True
         chunk = split.cut_tokens
         if self.tbt_slo_s is not None:
             chunk = chunk_fitting(self.model, split.cut_ratio,
                                   pass_budget_s(self.tbt_slo_s, step), split.cut_tokens)
-        return Passes(chunk, split.cut_ratio, max(split.wait_s, step))
+        return Passes(chunk, split.cut_ratio, max(split.wait_s, step)), False
 
     def _queued_before_burst(self, instance_id: str, beat: Heartbeat | None,
                              busy_step: float) -> bool:
@@ -296,15 +298,6 @@ class KVCacheScheduler:
         5.4 s behind two 1-token ones, and the burst ran whole in 1.9 s)."""
         queued = self.tracker.prefill_queue_len(instance_id, beat) - self._burst.count(instance_id)
         return busy_step > 0 or queued > 0
-
-    def _first_pass(self, instance_id: str, beat: Heartbeat | None, busy_step: float,
-                    prompt_tokens: int) -> bool:
-        """Whether a prompt placed now on the instance joins its burst's first full pass."""
-        split = beat.passes if beat is not None else None
-        if split is None or not split.shared:
-            return False
-        return (not self._queued_before_burst(instance_id, beat, busy_step)
-                and self._burst.fits_first_pass(instance_id, prompt_tokens, split.chunk_tokens))
 
     def _estimate(self, info: InstanceInfo, prompt_tokens: int, hits: dict[str, int],
                   busy_step: float, burst_step: float) -> PrefillEstimate:
@@ -316,14 +309,13 @@ class KVCacheScheduler:
             remote = 0  # an instance reuses only what it holds itself
         beat = self.registry.load(info.instance_id)
         iid = info.instance_id
-        joins = (self._burst.first_pass.get(iid, 0) > 0
-                 and self._first_pass(iid, beat, busy_step, prompt_tokens))
-        return estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
-                                remote_tokens=remote,
-                                queue_s=self.tracker.prefill_queue_s(iid, beat),
-                                calibration=self.tracker.calibration(iid),
-                                passes=self._passes(iid, beat, busy_step, burst_step,
-                                                    prompt_tokens), joins_pass=joins)
+        passes, first = self._passes(iid, beat, busy_step, burst_step, prompt_tokens)
+        est = estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
+                               remote_tokens=remote,
+                               queue_s=self.tracker.prefill_queue_s(iid, beat),
+                               calibration=self.tracker.calibration(iid), passes=passes,
+                               joins_pass=first and self._burst.first_pass.get(iid, 0) > 0)
+        return est._replace(first_pass=first)
 
     def _decode_choice(self, info: InstanceInfo, request: GenerateRequest) -> _DecodeChoice:
         beat = self.registry.load(info.instance_id)
