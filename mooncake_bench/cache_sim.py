@@ -24,8 +24,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from mooncake_server.block_keys import block_keys
-from mooncake_server.roles.conductor.store_index.index import GlobalIndex
-from mooncake_server.roles.conductor.store_index.placement import HashRing
+from mooncake_server.roles.master.index import GlobalIndex
+from mooncake_server.roles.master.placement import HashRing
 from mooncake_server.roles.store.objects import ObjectTable, StoreObject
 from mooncake_server.wire.index import TIER_DRAM, StoreEntry, StoreReport
 

@@ -17,7 +17,7 @@ from mooncake_server.malloc_tuning import keep_freed_memory, restart_with_huge_p
 log = logging.getLogger(__name__)
 
 # Roles serving internal endpoints to other processes: they refuse to start without a secret.
-_CLUSTER_ROLES = ("conductor", "prefill", "decode", "store")
+_CLUSTER_ROLES = ("conductor", "prefill", "decode", "store", "master")
 # Environment variable -> setting (the only place MOONCAKE_* variables are read).
 _ENV = (("MOONCAKE_CLUSTER_SECRET", "cluster_secret"),
         ("MOONCAKE_CLUSTER_SECRET_FILE", "cluster_secret_file"),
@@ -95,6 +95,8 @@ def parse_config(argv: Sequence[str] | None = None,
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"--config: unknown setting(s) {', '.join(unknown)}")
+    if values.get("role") == "master":
+        values.setdefault("port", 50051)  # mooncake_master's port
     for name, flag in flags():
         if flag.size and name in values:
             values[name] = parse_size(values[name], flag.name)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROLES = ("conductor", "prefill", "decode", "store", "all", "colocated")
+ROLES = ("conductor", "prefill", "decode", "store", "master", "all", "colocated")
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8-weights", "int8")
@@ -34,9 +34,9 @@ def parse_size(text: str | int, flag: str = "size") -> int:
 
 # Which processes read a field: the roles that run one. `--role all` is no reader of its own: it
 # forwards each field to those of its children (conductor, store, prefill, decode) that read it.
-CONDUCTOR, PREFILL, DECODE, STORE, COLOCATED = ("conductor", "prefill", "decode", "store",
-                                                "colocated")
-EVERY_ROLE = (CONDUCTOR, PREFILL, DECODE, STORE, COLOCATED)
+CONDUCTOR, PREFILL, DECODE, STORE, COLOCATED, MASTER = ("conductor", "prefill", "decode",
+                                                        "store", "colocated", "master")
+EVERY_ROLE = (CONDUCTOR, PREFILL, DECODE, STORE, COLOCATED, MASTER)
 ENGINES = (PREFILL, DECODE, COLOCATED)  # the roles that run the model
 MEMBERS = (PREFILL, DECODE, STORE)  # the roles that register with a conductor
 TRANSFERRING = (PREFILL, DECODE, STORE)  # the roles that run a transfer engine
@@ -86,6 +86,12 @@ class ServerConfig:
                                          "conductor base URL (prefill/decode/store)", MEMBERS)
     instance_id: str | None = _setting(None, "--instance-id", "id in the conductor's registry",
                                        MEMBERS)
+    # A store master of its own (`--role master`); None = the conductor runs one inside itself.
+    master_url: str | None = _setting(
+        None, "--master",
+        "HOST:PORT or URL of a standalone store master (`--role master`): store nodes register "
+        "and report there, engines and the conductor ask it where blocks live (default: the "
+        "conductor's own)", (CONDUCTOR, *MEMBERS))
 
     # Model
     # NOTE: the conductor reads the model's config (context window, KV bytes per token) and
@@ -171,8 +177,13 @@ class ServerConfig:
         "store DRAM fraction above which LRU eviction starts (default 0.95)", (STORE,))
     # copies of each block across store nodes: the conductor's placement decides them
     store_replicas: int = _setting(1, "--replicas",
-                                   "copies of each KV block across store nodes (conductor)",
-                                   (CONDUCTOR,))
+                                   "copies of each KV block across store nodes (store master)",
+                                   (CONDUCTOR, MASTER))
+    kv_lease_ttl_ms: int = _setting(
+        5000, "--default-kv-lease-ttl",
+        "store master: milliseconds a key read through the Mooncake store API stays leased "
+        "(a remove without force is refused meanwhile; default 5000, as mooncake_master)",
+        (CONDUCTOR, MASTER))
 
     # Transfer engine
     transfer_port: int = _setting(0, "--transfer-port", "transfer engine port (0 = any)",
@@ -183,8 +194,8 @@ class ServerConfig:
         (STORE,))
     index_control_port: int = _setting(
         0, "--index-control-port",
-        "conductor: port of the binary channel store nodes send index reports on (0 = any)",
-        (CONDUCTOR,))
+        "store master: port of the binary channel store nodes send index reports on (0 = any)",
+        (CONDUCTOR, MASTER))
     transport: str = _setting("auto", "--transport",
                               f"transfer transport: {' | '.join(TRANSPORTS)}",
                               TRANSFERRING)
@@ -224,7 +235,8 @@ class ServerConfig:
     heartbeat_interval_s: float = _setting(1.0, "--heartbeat-interval",
                                            "seconds between heartbeats", MEMBERS)
     heartbeat_timeout_s: float = _setting(5.0, "--heartbeat-timeout",
-                                          "seconds before an instance is dead", (CONDUCTOR,))
+                                          "seconds before an instance is dead",
+                                          (CONDUCTOR, MASTER))
     request_timeout_s: float = _setting(
         600.0, "--request-timeout",
         "conductor: seconds to wait on a prefill or decode instance's reply (or its stream's next "
@@ -246,24 +258,24 @@ class ServerConfig:
     etcd_endpoints: str | None = _setting(
         None, "--etcd",
         "etcd endpoints, e.g. http://10.0.0.5:2379[,...]: instances publish, conductors watch "
-        "(default: no etcd)", (CONDUCTOR, *MEMBERS))
+        "(default: no etcd)", (CONDUCTOR, *MEMBERS, MASTER))
     etcd_prefix: str = _setting("/mooncake/", "--etcd-prefix",
                                 "key prefix of this cluster in etcd (default /mooncake/)",
-                                (CONDUCTOR, *MEMBERS))
+                                (CONDUCTOR, *MEMBERS, MASTER))
     etcd_lease_ttl_s: int = _setting(
         5, "--etcd-lease-ttl",
-        "seconds a silent process's key stays in etcd (default 5)", (CONDUCTOR, *MEMBERS))
+        "seconds a silent process's key stays in etcd (default 5)", (CONDUCTOR, *MEMBERS, MASTER))
     etcd_ca_cert: str | None = _setting(None, "--etcd-ca-cert",
-                                        "PEM CA file: talk TLS to etcd", (CONDUCTOR, *MEMBERS))
+                                        "PEM CA file: talk TLS to etcd", (CONDUCTOR, *MEMBERS, MASTER))
     etcd_cert: str | None = _setting(None, "--etcd-cert", "PEM client certificate (mTLS)",
-                                     (CONDUCTOR, *MEMBERS))
+                                     (CONDUCTOR, *MEMBERS, MASTER))
     etcd_key: str | None = _setting(None, "--etcd-key", "PEM client key (mTLS)",
-                                    (CONDUCTOR, *MEMBERS))
+                                    (CONDUCTOR, *MEMBERS, MASTER))
     etcd_user: str | None = _setting(None, "--etcd-user", "etcd user (auth enabled)",
-                                     (CONDUCTOR, *MEMBERS))
+                                     (CONDUCTOR, *MEMBERS, MASTER))
     etcd_password: str = _setting(
         "", "--etcd-password", "etcd user's password (or env MOONCAKE_ETCD_PASSWORD)",
-        (CONDUCTOR, *MEMBERS), secret=True)
+        (CONDUCTOR, *MEMBERS, MASTER), secret=True)
 
     # Scheduling (conductor): Algorithm 1 policy, SLOs for early rejection, the cost model;
     # decode's admission control checks the TBT SLO with the same cost model.
@@ -343,9 +355,16 @@ class ServerConfig:
         self._check_discovery()
 
     def _check_discovery(self) -> None:
-        if (self.role in ("prefill", "decode", "store") and not self.conductor_url
+        if self.role == "store" and self.master_url:
+            pass  # registers and reports with the standalone master
+        elif (self.role in ("prefill", "decode", "store") and not self.conductor_url
                 and not self.etcd_endpoints):
             raise ValueError(f"--conductor-url: required for --role {self.role} (or --etcd)")
+        if self.master_url is not None:
+            self.master_base  # noqa: B018 - parses (raises ValueError naming --master)
+        if self.kv_lease_ttl_ms < 0:
+            raise ValueError(f"--default-kv-lease-ttl: must not be negative (ms), got "
+                             f"{self.kv_lease_ttl_ms}")
         if self.etcd_endpoints is not None:
             self.etcd_targets  # noqa: B018 - parses (raises ValueError naming --etcd)
         if not self.etcd_prefix.startswith("/") or not self.etcd_prefix.endswith("/"):
@@ -409,6 +428,19 @@ class ServerConfig:
         """The conductors named by --conductor-url (a comma-separated list is allowed)."""
         text = self.conductor_url or ""
         return tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
+
+    @property
+    def master_base(self) -> str | None:
+        """The --master store master as an http:// base URL (HOST:PORT alone is accepted)."""
+        text = (self.master_url or "").strip().rstrip("/")
+        if not text:
+            return None
+        url = text if "://" in text else f"http://{text}"
+        host, _, port = url.split("://", 1)[1].rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--master: expected HOST:PORT or http://HOST:PORT, got "
+                             f"{self.master_url!r}")
+        return url
 
     @property
     def etcd_targets(self) -> tuple[tuple[str, int], ...]:

@@ -179,7 +179,7 @@ def index_app() -> Any:
 
     from mooncake_server.instance.heap import freeze_startup_heap
     from mooncake_server.roles.conductor.registry import InstanceRegistry, registry_router
-    from mooncake_server.roles.conductor.store_index.master import (
+    from mooncake_server.roles.master.master import (
         StoreMaster,
         master_router,
         serve_index_channel,
@@ -245,7 +245,7 @@ async def bench_ours(iters: int) -> tuple[list[Row], dict[str, float]]:
 
     from mooncake_server.instance.heap import freeze_startup_heap
     from mooncake_server.roles.conductor.registry import InstanceRegistry
-    from mooncake_server.roles.conductor.store_index.master import StoreMaster
+    from mooncake_server.roles.master.master import StoreMaster
     from mooncake_server.store_client.client import StoreClient
     from mooncake_server.store_client.cluster import StoreCluster
     from mooncake_server.transfer import TransferEngine, crc32c

@@ -32,10 +32,11 @@ from pathlib import Path
 
 from mooncake_server.api.backend import GenerateRequest
 from mooncake_server.config import ServerConfig
+from mooncake_server.roles.conductor.master_link import LocalMaster
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.conductor.scheduler import build_scheduler
 from mooncake_server.roles.conductor.scheduler.local_index import LocalCacheIndex
-from mooncake_server.roles.conductor.store_index.master import StoreMaster
+from mooncake_server.roles.master.master import StoreMaster
 from mooncake_server.wire.index import StoreEntry, StoreReport
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 from mooncake_server.wire.jobs import SamplingParams
@@ -130,7 +131,7 @@ async def measure(n: int, m: int, puts_per_s: int) -> dict[str, float]:
     config = ServerConfig(role="conductor")
     registry = InstanceRegistry(heartbeat_timeout_s=1e9)
     master = StoreMaster(registry, 1, "secret")
-    scheduler = build_scheduler(config, registry, master, local=LocalCacheIndex())
+    scheduler = build_scheduler(config, registry, LocalMaster(master), local=LocalCacheIndex())
     register(registry, n)
     gc.collect()
     before = rss_bytes()

@@ -13,10 +13,11 @@ import pytest
 from mooncake_server.api.backend import BackendError, GenerateRequest, TokenEvent
 from mooncake_server.block_keys import block_keys
 from mooncake_server.config import ServerConfig
+from mooncake_server.roles.conductor.master_link import LocalMaster
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.conductor.request_path import RequestPath
 from mooncake_server.roles.conductor.scheduler import build_scheduler
-from mooncake_server.roles.conductor.store_index.master import StoreMaster
+from mooncake_server.roles.master.master import StoreMaster
 from mooncake_server.wire.instances import InstanceInfo
 from mooncake_server.wire.jobs import DecodeJob, PrefillJob, PrefillResult, SamplingParams
 
@@ -89,7 +90,7 @@ def decode_lines(tokens: list[int], last: str = "stop") -> list[str]:
 def request_path(config: ServerConfig, registry: InstanceRegistry,
                  http: httpx.AsyncClient) -> RequestPath:
     """The conductor's request path as its app wires it (scheduler over the store index)."""
-    master = StoreMaster(registry, config.store_replicas, config.cluster_secret)
+    master = LocalMaster(StoreMaster(registry, config.store_replicas, config.cluster_secret), http)
     return RequestPath(config, registry, http, build_scheduler(config, registry, master), master)
 
 

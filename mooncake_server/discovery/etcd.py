@@ -75,6 +75,10 @@ class EtcdSettings:
         """Key of one conductor's ConductorInfo."""
         return f"{self.prefix}conductors/{conductor_id}"
 
+    def master_key(self, master_id: str) -> str:
+        """Where a standalone store master publishes itself."""
+        return f"{self.prefix}masters/{master_id}"
+
     @property
     def conductors_prefix(self) -> str:
         """Prefix of every conductor key."""

@@ -74,6 +74,9 @@ async def start_engine(starting: Starting, name: str) -> EngineParts:
     http = internal_client(config)
     stack.push_async_callback(http.aclose)
     conductors = (await starting.cluster()).conductors
-    link = KVStoreLink(runner.kv, engine, http, config.cluster_secret, conductors.current)
+    # The store master: a standalone one (--master), or the conductor's own.
+    master_base = config.master_base
+    master = (lambda: master_base) if master_base else conductors.current
+    link = KVStoreLink(runner.kv, engine, http, config.cluster_secret, master)
     stack.push_async_callback(link.aclose)
     return EngineParts(engine, executor, runner, info, http, link)

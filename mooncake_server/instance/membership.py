@@ -31,7 +31,12 @@ class Cluster:
     def __init__(self, config: ServerConfig) -> None:
         self.settings = EtcdSettings.from_config(config)
         self.session = EtcdSession(self.settings) if self.settings else None
-        self.conductors = ConductorSet(config.conductor_urls, self.session, self.settings)
+        if config.role == "store" and config.master_base:
+            # A standalone master keeps the registry and index store nodes belong to; the
+            # session still publishes this node in etcd, where that master mirrors it from.
+            self.conductors = ConductorSet((config.master_base,))
+        else:
+            self.conductors = ConductorSet(config.conductor_urls, self.session, self.settings)
 
     async def start(self) -> None:
         """Connect to etcd and learn the conductors (waits up to a lease TTL for a listing)."""

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import TypeVar
 
 import httpx
@@ -28,6 +29,7 @@ from mooncake_server.transfer import (
     TransferEngine,
     TransferError,
     TransferRequest,
+    crc32c_combine,
 )
 from mooncake_server.wire.auth import secret_headers
 from mooncake_server.wire.instances import StoreLocation
@@ -51,6 +53,7 @@ from mooncake_server.wire.store_ops import (
 logger = logging.getLogger(__name__)
 
 _Reply = TypeVar("_Reply", bound=BaseModel)
+Spans = Sequence[tuple[int, int]]  # one object's bytes as (local address, length) pieces
 # Attempts (0.5 s apart, doubling to 5 s: ~60 s in all, the store's write timeout) to abort a
 # put_start that got no answer.
 ABANDON_TRIES = 15
@@ -106,12 +109,13 @@ class StoreClient:
         return reply.prefix
 
     async def put(self, keys: list[str], addrs: list[int], sizes: list[int],
-                  checksums: list[int]) -> list[bool]:
+                  checksums: list[int], parts: Sequence[Spans] | None = None) -> list[bool]:
         """Write blocks from local registered memory; per key whether it is now in the store.
 
-        A key that was already present (or is being written by another writer) counts as stored;
-        a key the store refused for lack of space does not. On a transfer failure the
-        reservations are aborted and StoreError is raised.
+        `parts`: per key, the (address, length) pieces its bytes are gathered from, in order
+        (`addrs` is then unused). A key that was already present (or is being written by
+        another writer) counts as stored; a key the store refused for lack of space does not.
+        On a transfer failure the reservations are aborted and StoreError is raised.
         """
         if not len(keys) == len(addrs) == len(sizes) == len(checksums):
             raise ValueError("put: keys, addrs, sizes and checksums must have the same length")
@@ -131,8 +135,9 @@ class StoreClient:
         try:
             handle = await self._segment_handle()
             await self._engine.transfer([
-                TransferRequest(Op.WRITE, addrs[i], handle, off, sizes[i])
+                TransferRequest(Op.WRITE, addr, handle, at, n)
                 for i, off in zip(placed, offsets)
+                for addr, at, n in _spans(parts[i] if parts else [(addrs[i], sizes[i])], off)
             ])
         except BaseException as exc:
             await self._abort_quietly(placed_keys)
@@ -188,6 +193,12 @@ class StoreClient:
         """Read every present block (not only the leading run); per key whether it arrived."""
         return await self._read(keys, addrs, sizes, sparse=True)
 
+    async def get_parts(self, keys: list[str], parts: Sequence[Spans]) -> list[bool]:
+        """Read every present block scattered over its (address, length) pieces, in order
+        (leased: one-sided READs straight into them, checksummed as they land)."""
+        return await self._read_leased(keys, [0] * len(keys), [sum(n for _, n in p)
+                                                               for p in parts], True, parts)
+
     async def _read(self, keys: list[str], addrs: list[int], sizes: list[int],
                     sparse: bool) -> list[bool]:
         if not len(keys) == len(addrs) == len(sizes):
@@ -233,7 +244,7 @@ class StoreClient:
         return [obj is not None for obj in found]
 
     async def _read_leased(self, keys: list[str], addrs: list[int], sizes: list[int],
-                           sparse: bool) -> list[bool]:
+                           sparse: bool, parts: Sequence[Spans] | None = None) -> list[bool]:
         reply = await self._call(StoreOp.GET, StoreGet(keys=keys, sparse=sparse), StoreGetReply)
         if reply.found == 0 or reply.lease_id is None:
             return [False] * len(keys)
@@ -253,13 +264,17 @@ class StoreClient:
             try:
                 # The engine checksums each block as it lands (fused with the copy / recv, on
                 # its worker threads): no second pass over the bytes, no thread hop here.
+                spans = [_spans(parts[i] if parts else [(addrs[i], sizes[i])],
+                                reply.offsets[j]) for j, i in enumerate(idx)]
                 landed = await self._engine.transfer([
-                    TransferRequest(Op.READ, addrs[i], handle, reply.offsets[j], sizes[i])
-                    for j, i in enumerate(idx)
+                    TransferRequest(Op.READ, addr, handle, at, n)
+                    for key_spans in spans for addr, at, n in key_spans
                 ], checksums=True)
             except (TransferError, OSError) as exc:
                 raise StoreError(f"reading {len(idx)} blocks from store "
                                  f"{self._location.instance_id} failed: {exc}") from exc
+            if parts:
+                landed = _combined(landed, [[n for _, _, n in sp] for sp in spans])
             _verify([keys[i] for i in idx], reply.checksums[:len(idx)], landed)
             got = [False] * len(keys)
             for i in idx:
@@ -392,7 +407,34 @@ class StoreClient:
             logger.warning("releasing lease %s failed: %s", lease_id, exc)
 
 
-def _verify(keys: list[str], stored: list[int], landed: list[int | None]) -> None:
+def _spans(pieces: Spans, offset: int) -> list[tuple[int, int, int]]:
+    """(local address, offset in the store's segment, length) of each piece of one object
+    that starts at `offset`."""
+    out, at = [], offset
+    for addr, n in pieces:
+        out.append((addr, at, n))
+        at += n
+    return out
+
+
+def _combined(landed: Sequence[int | None], lengths: list[list[int]]) -> list[int | None]:
+    """One CRC32C per object from the CRC32Cs of its pieces, in order."""
+    out: list[int | None] = []
+    pos = 0
+    for lens in lengths:
+        crc: int | None = None
+        for n in lens:
+            piece = landed[pos]
+            pos += 1
+            if piece is None:
+                crc = None
+                break
+            crc = piece if crc is None else crc32c_combine(crc, piece, n)
+        out.append(crc)
+    return out
+
+
+def _verify(keys: list[str], stored: list[int], landed: Sequence[int | None]) -> None:
     """Raise ChecksumError for the first block whose landed CRC32C (computed by the transfer
     engine as its bytes arrived) is not the one it was stored with."""
     for key, want, got in zip(keys, stored, landed):

@@ -20,10 +20,15 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from mooncake_server.store_client.client import StoreClient, StoreError
+from mooncake_server.store_client.client import Spans, StoreClient, StoreError
 from mooncake_server.transfer import TransferEngine
 from mooncake_server.wire.auth import secret_headers
-from mooncake_server.wire.index import StoreLocate, StorePlaceReply
+from mooncake_server.wire.index import (
+    StoreLocate,
+    StoreLocateReply,
+    StorePlace,
+    StorePlaceReply,
+)
 from mooncake_server.wire.instances import StoreLocation
 from mooncake_server.wire.routes import (
     INDEX_LOCATE,
@@ -90,9 +95,21 @@ class StoreCluster:
         reply = await self._ask(INDEX_PREFIX, StoreKeys(keys=keys))
         return reply.prefix
 
-    async def place(self, keys: list[str]) -> StorePlaceReply:
-        """Where new keys go: K target nodes per key (one call to the index)."""
-        return await self._ask(INDEX_PLACE, StoreKeys(keys=keys))
+    async def place(self, keys: list[str], replicas: int | None = None,
+                    preferred: list[str] | None = None,
+                    skip_existing: bool = False) -> StorePlaceReply:
+        """Where new keys go: K target nodes per key (one call to the index); with
+        `skip_existing`, keys already held get none (`existing` says which)."""
+        return await self._ask(INDEX_PLACE, StorePlace(keys=keys, replicas=replicas,
+                                                       preferred=preferred or [],
+                                                       skip_existing=skip_existing))
+
+    async def locate(self, keys: list[str], *, fallback: bool = True,
+                     lease: bool = False) -> StoreLocateReply:
+        """Where each key's live copies are, and its size (one call to the index); with
+        `lease`, keys found are leased at the master (a remove without force is refused)."""
+        return await self._ask(INDEX_LOCATE, StoreLocate(keys=keys, fallback=fallback,
+                                                         lease=lease))
 
     async def get(self, keys: list[str], addrs: list[int], sizes: list[int], *,
                   fallback: bool = True) -> int:
@@ -105,11 +122,28 @@ class StoreCluster:
             raise ValueError("get: keys, addrs and sizes must have the same length")
         if not keys:
             return 0
-        where = await self._ask(INDEX_LOCATE, StoreLocate(keys=keys, fallback=fallback))
-        run = next((i for i, r in enumerate(where.replicas) if not r), len(keys))
-        options = [self._order([r.node_id for r in where.replicas[i]]) for i in range(run)]
-        got = [False] * run
-        tried = [0] * run
+        where = await self.locate(keys, fallback=fallback)
+        got = await self._fetch(where, keys, addrs, sizes, None, leading=True)
+        return got.index(False) if False in got else len(got)
+
+    async def get_each(self, where: StoreLocateReply, keys: list[str], addrs: list[int],
+                       sizes: list[int], parts: Sequence[Spans] | None = None) -> list[bool]:
+        """Read every key `where` (a `locate` answer for `keys`) lists, each on its own; per
+        key whether it arrived. `parts`: per key, the pieces its bytes are scattered over."""
+        if not len(keys) == len(addrs) == len(sizes) == len(where.replicas):
+            raise ValueError("get_each: keys, addrs, sizes and replicas must match")
+        return await self._fetch(where, keys, addrs, sizes, parts, leading=False)
+
+    async def _fetch(self, where: StoreLocateReply, keys: list[str], addrs: list[int],
+                     sizes: list[int], parts: Sequence[Spans] | None,
+                     leading: bool) -> list[bool]:
+        """Per key whether it arrived, trying each replica in turn; `leading` stops at the
+        first key no replica could give (keys after it are of no use to such a reader)."""
+        n = len(keys)
+        run = next((i for i, r in enumerate(where.replicas) if not r), n) if leading else n
+        options = [self._order([r.node_id for r in where.replicas[i]]) for i in range(n)]
+        got = [False] * n
+        tried = [0] * n
         while True:
             groups: dict[str, list[int]] = {}
             for i in range(run):
@@ -118,41 +152,62 @@ class StoreCluster:
             if not groups:
                 break
             results = await asyncio.gather(*[
-                self._get_from(where.nodes[node], idx, keys, addrs, sizes)
+                self._get_from(where.nodes[node], idx, keys, addrs, sizes, parts)
                 for node, idx in groups.items()])
             for idx, arrived in zip(groups.values(), results):
                 for i, ok in zip(idx, arrived):
                     got[i] = ok
                     tried[i] += 1
-            # Keys after one that no replica could give are of no use: stop asking for them.
-            run = next((i for i in range(run) if not got[i] and tried[i] >= len(options[i])), run)
-        return next((i for i in range(run) if not got[i]), run)
+            if leading:
+                run = next((i for i in range(run)
+                            if not got[i] and tried[i] >= len(options[i])), run)
+        return got
 
     async def put(self, keys: list[str], addrs: list[int], sizes: list[int],
-                  checksums: list[int]) -> list[bool]:
-        """Write blocks to their K nodes; per key whether at least one replica holds it.
+                  checksums: list[int], *, replicas: int | None = None,
+                  preferred: list[str] | None = None,
+                  parts: Sequence[Spans] | None = None) -> list[bool]:
+        """Write blocks to their K nodes (`replicas`, default the master's; `preferred` nodes
+        first); per key whether at least one replica holds it. `parts`: per key, the pieces
+        its bytes are gathered from (`addrs` unused then).
 
         Raises StoreUnavailable when no live store node exists at all.
         """
+        stored, _ = await self.put_where(keys, addrs, sizes, checksums, replicas=replicas,
+                                         preferred=preferred, parts=parts)
+        return stored
+
+    async def put_where(self, keys: list[str], addrs: list[int], sizes: list[int],
+                        checksums: list[int], *, replicas: int | None = None,
+                        preferred: list[str] | None = None,
+                        parts: Sequence[Spans] | None = None,
+                        place: StorePlaceReply | None = None,
+                        ) -> tuple[list[bool], dict[str, list[int]]]:
+        """`put`, also saying which node committed which keys (node id -> key indices);
+        `place`: the index's answer for these keys, if the caller asked already."""
         if not len(keys) == len(addrs) == len(sizes) == len(checksums):
             raise ValueError("put: keys, addrs, sizes and checksums must have the same length")
         if not keys:
-            return []
-        place = await self._ask(INDEX_PLACE, StoreKeys(keys=keys))
-        if not place.nodes:
+            return [], {}
+        if place is None:
+            place = await self.place(keys, replicas, preferred)
+        if not place.nodes and not any(place.existing):
             raise StoreUnavailable(f"no live store node can take {len(keys)} blocks")
         groups: dict[str, list[int]] = {}
         for i, targets in enumerate(place.targets):
             for node in targets:
                 groups.setdefault(node, []).append(i)
         results = await asyncio.gather(*[
-            self._put_to(place.nodes[node], idx, keys, addrs, sizes, checksums)
+            self._put_to(place.nodes[node], idx, keys, addrs, sizes, checksums, parts)
             for node, idx in groups.items()])
-        stored = [False] * len(keys)
-        for idx, ok in zip(groups.values(), results):
+        stored = list(place.existing) or [False] * len(keys)  # a key held already is stored
+        holders: dict[str, list[int]] = {}
+        for node, idx, ok in zip(groups, groups.values(), results):
             for i, s in zip(idx, ok):
                 stored[i] = stored[i] or s
-        return stored
+                if s:
+                    holders.setdefault(node, []).append(i)
+        return stored, holders
 
     async def remove(self, keys: list[str]) -> None:
         """Remove keys from every node that holds them (best effort per node)."""
@@ -182,8 +237,12 @@ class StoreCluster:
         self._suspect[node] = self._clock() + _SUSPECT_S
 
     async def _get_from(self, loc: StoreLocation, idx: list[int], keys: list[str],
-                        addrs: list[int], sizes: list[int]) -> list[bool]:
+                        addrs: list[int], sizes: list[int],
+                        parts: Sequence[Spans] | None = None) -> list[bool]:
         try:
+            if parts is not None:
+                return await self.client(loc).get_parts([keys[i] for i in idx],
+                                                        [parts[i] for i in idx])
             return await self.client(loc).get_any([keys[i] for i in idx],
                                                   [addrs[i] for i in idx],
                                                   [sizes[i] for i in idx])
@@ -192,11 +251,13 @@ class StoreCluster:
             return [False] * len(idx)
 
     async def _put_to(self, loc: StoreLocation, idx: list[int], keys: list[str],
-                      addrs: list[int], sizes: list[int], checksums: list[int]) -> list[bool]:
+                      addrs: list[int], sizes: list[int], checksums: list[int],
+                      parts: Sequence[Spans] | None = None) -> list[bool]:
         try:
             return await self.client(loc).put([keys[i] for i in idx], [addrs[i] for i in idx],
                                               [sizes[i] for i in idx],
-                                              [checksums[i] for i in idx])
+                                              [checksums[i] for i in idx],
+                                              [parts[i] for i in idx] if parts else None)
         except StoreError as exc:
             self._failed(loc.instance_id, exc)
             return [False] * len(idx)

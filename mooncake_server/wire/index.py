@@ -1,4 +1,5 @@
-"""The global store index channel: store nodes and engine roles <-> the conductor's store master.
+"""The global store index channel: store nodes, engine roles and store clients <-> the store master
+(its own process with `--role master`, or inside the conductor).
 """
 
 from __future__ import annotations
@@ -21,11 +22,57 @@ TIER_DRAM = "dram"
 TIER_SSD = "ssd"
 
 
+# Mooncake's ErrorCode values where the master decides them (mooncake_api keeps the full set).
+NOT_FOUND = -704
+HAS_LEASE = -706
+
+
 class StoreLocate(BaseModel):
-    """Where are these keys? `fallback`: name the ring targets of keys the index lacks yet."""
+    """Where are these keys? `fallback`: name the ring targets of keys the index lacks yet.
+    `lease`: keys found are leased for the master's lease time (a remove without force is
+    refused meanwhile), as a read through Mooncake's master is."""
 
     keys: list[str]
     fallback: bool = True
+    lease: bool = False
+
+
+class StorePlace(BaseModel):
+    """Where should new keys go: `replicas` copies each (None: the master's --replicas),
+    on the `preferred` nodes (ids or transfer addresses) first."""
+
+    keys: list[str]
+    replicas: int | None = Field(default=None, ge=1, le=16)
+    preferred: list[str] = Field(default_factory=list)
+    skip_existing: bool = False  # keys the index holds get no targets (write-once puts)
+
+
+class StoreCommitted(BaseModel):
+    """A client's put_end was answered: index these keys on `node_id` now, before the node's
+    own (coalesced) report, so the writer's next call finds them."""
+
+    node_id: str
+    keys: list[str]
+    sizes: list[int]
+
+
+class StoreDrop(BaseModel):
+    """Take keys out of the index before their nodes are told (a client's remove): the
+    named `keys`, those matching `regex`, or `all`; leased keys stay unless `force`."""
+
+    keys: list[str] = Field(default_factory=list)
+    regex: str | None = None
+    all: bool = False
+    force: bool = False
+
+
+class StoreDropReply(BaseModel):
+    """Per key considered: 0 (dropped: remove it from `holders`), NOT_FOUND or HAS_LEASE."""
+
+    keys: list[str]
+    codes: list[int]
+    holders: list[list[str]]
+    nodes: dict[str, StoreLocation]
 
 
 class StoreEntry(BaseModel):
@@ -62,17 +109,21 @@ class StoreReplica(BaseModel):
 
 
 class StoreLocateReply(BaseModel):
-    """Per key, its live replicas (DRAM copies first); `nodes` says how to reach each node."""
+    """Per key, its live replicas (DRAM copies first) and size (None: not indexed); `nodes`
+    says how to reach each node."""
 
     nodes: dict[str, StoreLocation]
     replicas: list[list[StoreReplica]]
+    sizes: list[int | None] = Field(default_factory=list)
 
 
 class StorePlaceReply(BaseModel):
-    """Per key, the store nodes that should hold it (consistent hashing over live nodes)."""
+    """Per key, the store nodes that should hold it (consistent hashing over live nodes);
+    with `skip_existing`, `existing` marks keys already held (no targets)."""
 
     nodes: dict[str, StoreLocation]
     targets: list[list[str]]
+    existing: list[bool] = Field(default_factory=list)
 
 
 class StorePrefixReply(BaseModel):
@@ -80,6 +131,7 @@ class StorePrefixReply(BaseModel):
 
     prefix: int
     by_node: dict[str, int]
+    urls: dict[str, str] = Field(default_factory=dict)  # node id -> its URL (which host)
 
 
 class StoreReplicate(BaseModel):

@@ -23,8 +23,12 @@ from fastapi.params import Depends
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from mooncake_server.wire.index import (
+    StoreCommitted,
+    StoreDrop,
+    StoreDropReply,
     StoreLocate,
     StoreLocateReply,
+    StorePlace,
     StorePlaceReply,
     StorePrefixReply,
     StoreReplicate,
@@ -113,12 +117,15 @@ DRAIN = Route("/internal/drain", Drain, dict[str, bool])
 DEREGISTER = Route("/internal/deregister", Deregister, dict[str, bool])
 INSTANCES = Route("/internal/instances", None, list[InstanceStatus], method="GET")
 
-# --- conductor: global store index -------------------------------------------------------------
+# --- store master (--role master, or inside the conductor): global store index -----------------
 INDEX_REPORT = Route("/internal/store/report", StoreReport, StoreReportReply)
 INDEX_LOCATE = Route("/internal/store/locate", StoreLocate, StoreLocateReply)
-INDEX_PLACE = Route("/internal/store/place", StoreKeys, StorePlaceReply)
+INDEX_PLACE = Route("/internal/store/place", StorePlace, StorePlaceReply)
 INDEX_PREFIX = Route("/internal/store/prefix", StoreKeys, StorePrefixReply)
 INDEX_STATS = Route("/internal/store/index", None, dict[str, object], method="GET")
+INDEX_COMMITTED = Route("/internal/store/committed", StoreCommitted, dict[str, bool])
+INDEX_DROP = Route("/internal/store/drop", StoreDrop, StoreDropReply)
+INDEX_REUSE = Route("/internal/store/reuse", StoreKeys, dict[str, int])
 
 # --- conductor: prefill instances' local caches, moves -----------------------------------------
 PREFILL_CACHE_REPORT = Route("/internal/prefill-cache/report", PrefillCacheReport,

@@ -18,11 +18,12 @@ from mooncake_server.api.backend import BackendError, GenerateRequest
 from mooncake_server.block_keys import block_keys
 from mooncake_server.config import ServerConfig
 from mooncake_server.instance.drain import DrainingServer
+from mooncake_server.roles.conductor.master_link import LocalMaster
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.conductor.request_path import RequestPath
 from mooncake_server.roles.conductor.scheduler import build_scheduler
-from mooncake_server.roles.conductor.store_index.master import StoreMaster
 from mooncake_server.roles.conductor.watch import STALLED, InstanceLost, LineFeed, MoveOrdered
+from mooncake_server.roles.master.master import StoreMaster
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 from mooncake_server.wire.jobs import (
     DecodeJob,
@@ -138,7 +139,7 @@ def full_from(job: DecodeJob) -> tuple[int, list[bytes], str]:
 def request_path(config: ServerConfig, registry: InstanceRegistry,
                  http: httpx.AsyncClient) -> RequestPath:
     """The conductor's request path as its app wires it (scheduler over the store index)."""
-    master = StoreMaster(registry, config.store_replicas, config.cluster_secret)
+    master = LocalMaster(StoreMaster(registry, config.store_replicas, config.cluster_secret), http)
     return RequestPath(config, registry, http, build_scheduler(config, registry, master), master)
 
 

@@ -95,7 +95,7 @@ def test_a_delta_from_an_unknown_epoch_or_out_of_order_asks_for_a_snapshot() -> 
 
 async def test_the_oracle_answers_each_prefill_instance_from_its_own_cache() -> None:
     class StoreIndex:
-        def prefix(self, keys: list[str]):
+        async def prefix(self, keys: list[str]):
             from mooncake_server.wire.index import StorePrefixReply
 
             return StorePrefixReply(prefix=3, by_node={"s1": 3})

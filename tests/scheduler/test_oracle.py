@@ -17,7 +17,7 @@ def registry() -> InstanceRegistry:
 
 
 class Index:
-    def prefix(self, keys: list[str]) -> StorePrefixReply:
+    async def prefix(self, keys: list[str]) -> StorePrefixReply:
         return StorePrefixReply(prefix=len(keys), by_node={"sA": 3, "sB": 1})
 
 

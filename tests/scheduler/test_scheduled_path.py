@@ -14,11 +14,12 @@ from sched_helpers import BT, MODEL, Clock, cluster
 from mooncake_server.api.backend import GenerateRequest
 from mooncake_server.api.openai_app import install_api
 from mooncake_server.config import ServerConfig
+from mooncake_server.roles.conductor.master_link import LocalMaster
 from mooncake_server.roles.conductor.request_path import RequestPath
 from mooncake_server.roles.conductor.scheduler.load import LoadTracker
 from mooncake_server.roles.conductor.scheduler.oracle import STORE_WIDE
 from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler
-from mooncake_server.roles.conductor.store_index.master import StoreMaster
+from mooncake_server.roles.master.master import StoreMaster
 from mooncake_server.wire.jobs import PrefillJob, PrefillResult, SamplingParams
 
 
@@ -67,7 +68,7 @@ def make(ttft_slo: float | None = None, hits: dict[str, int] | None = None,
     peers = Peers(s)
     http = httpx.AsyncClient(transport=peers)
     config = ServerConfig(role="conductor", block_tokens=BT)
-    path = RequestPath(config, registry, http, s, StoreMaster(registry, 1, ""))
+    path = RequestPath(config, registry, http, s, LocalMaster(StoreMaster(registry, 1, "")))
     return s, peers, http, path
 
 

@@ -15,7 +15,7 @@ import httpx
 from fastapi import FastAPI
 
 from mooncake_server.roles.conductor.registry import InstanceRegistry, registry_router
-from mooncake_server.roles.conductor.store_index.master import (
+from mooncake_server.roles.master.master import (
     StoreMaster,
     master_router,
     serve_index_channel,

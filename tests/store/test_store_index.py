@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from mooncake_server.roles.conductor.registry import InstanceRegistry
-from mooncake_server.roles.conductor.store_index.index import GlobalIndex
-from mooncake_server.roles.conductor.store_index.master import StoreMaster
+from mooncake_server.roles.master.index import GlobalIndex
+from mooncake_server.roles.master.master import StoreMaster
 from mooncake_server.wire.index import StoreEntry, StoreReport
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 

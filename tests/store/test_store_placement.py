@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_server.roles.conductor.store_index.placement import HashRing
+from mooncake_server.roles.master.placement import HashRing
 
 KEYS = [f"{i:032x}" for i in range(10_000)]
 

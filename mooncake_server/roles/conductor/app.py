@@ -33,9 +33,11 @@ from mooncake_server.api.metrics import ApiMetrics
 from mooncake_server.api.openai_app import create_api_router, install_api_guard
 from mooncake_server.api.prompts import load_eos_token_ids
 from mooncake_server.config import ServerConfig
+from mooncake_server.cost_model.loading import load_perf_model
 from mooncake_server.discovery.etcd import EtcdSettings
 from mooncake_server.model_assets import resolve_model, served_name
 from mooncake_server.roles.conductor.etcd_feed import EtcdCollector, RegistryFeed
+from mooncake_server.roles.conductor.master_link import LocalMaster, MasterLink, RemoteMaster
 from mooncake_server.roles.conductor.operator_routes import MovesCollector, operator_router
 from mooncake_server.roles.conductor.registry import (
     INSTANCE_ROLES,
@@ -43,14 +45,13 @@ from mooncake_server.roles.conductor.registry import (
     registry_router,
 )
 from mooncake_server.roles.conductor.request_path import RequestPath
-from mooncake_server.cost_model.loading import load_perf_model
 from mooncake_server.roles.conductor.scheduler import build_scheduler
 from mooncake_server.roles.conductor.scheduler.local_index import (
     LocalCacheIndex,
     local_cache_router,
 )
 from mooncake_server.roles.conductor.scheduler.metrics import SchedulerCollector
-from mooncake_server.roles.conductor.store_index.master import (
+from mooncake_server.roles.master.master import (
     MasterCollector,
     StoreMaster,
     master_router,
@@ -107,12 +108,20 @@ class Conductor:
         self.config = config
         self.prom = CollectorRegistry()
         self.registry = InstanceRegistry(config.heartbeat_timeout_s)
-        self.store_master = StoreMaster(self.registry, config.store_replicas,
-                                        config.cluster_secret)
+        # The store master: inside this conductor, or a standalone one (--master).
+        self.store_master: StoreMaster | None = None
+        self.master: MasterLink
+        if config.master_base:
+            self.master = RemoteMaster(config.master_base, config.cluster_secret)
+        else:
+            self.store_master = StoreMaster(self.registry, config.store_replicas,
+                                            config.cluster_secret,
+                                            lease_s=config.kv_lease_ttl_ms / 1000)
+            self.master = LocalMaster(self.store_master)
         # Prefill instances report their own prefix caches here (per-instance hits).
         self.local_caches = LocalCacheIndex()
         # Algorithm 1 (--policy, --ttft-slo, --tbt-slo); a bad --profile fails here, at start-up.
-        self.scheduler = build_scheduler(config, self.registry, self.store_master,
+        self.scheduler = build_scheduler(config, self.registry, self.master,
                                          local=self.local_caches)
         self.api_metrics = ApiMetrics(self.prom)
         self.limits = RequestLimits.from_config(config)
@@ -124,9 +133,11 @@ class Conductor:
                                url=config.base_url)
             self.feed = RegistryFeed(settings, self.registry, me)
             self.prom.register(EtcdCollector(self.feed))
-        for collector in (_InstancesCollector(self.registry), MasterCollector(self.store_master),
+        for collector in (_InstancesCollector(self.registry),
                           SchedulerCollector(self.scheduler), MovesCollector(self.current_path)):
             self.prom.register(collector)
+        if self.store_master is not None:
+            self.prom.register(MasterCollector(self.store_master))
 
     def current_path(self) -> RequestPath | None:
         """The request path, None before the lifespan built it (operator routes, metrics)."""
@@ -137,16 +148,21 @@ class Conductor:
         """Index channel, then the API (tokenizer, request path) for as long as the app runs."""
         config = self.config
         # Store nodes' index reports: HTTP for the first, this binary channel after (master.py).
-        channel = await serve_index_channel(self.store_master, config.host,
-                                            config.index_control_port, config.public_host,
-                                            config.cluster_secret)
+        channel = None
+        if self.store_master is not None:
+            channel = await serve_index_channel(self.store_master, config.host,
+                                                config.index_control_port, config.public_host,
+                                                config.cluster_secret)
         try:
             async with self._serve_api(app):
                 yield
         finally:
             if self.feed is not None:
                 await self.feed.stop()
-            await channel.close()
+            if channel is not None:
+                await channel.close()
+            if isinstance(self.master, RemoteMaster):
+                await self.master.aclose()
 
     @asynccontextmanager
     async def _serve_api(self, app: FastAPI) -> AsyncIterator[None]:
@@ -164,8 +180,9 @@ class Conductor:
             if not config.profile_path:  # size the built-in model's KV bytes to this model
                 self.scheduler.model = load_perf_model(config.profile_path, config.block_tokens,
                                                        config.dtype, hf_config)
-            self.path = RequestPath(config, self.registry, http, self.scheduler,
-                                    self.store_master)
+            if isinstance(self.master, LocalMaster):
+                self.master.http = http  # hot-block copies go out on the request path's client
+            self.path = RequestPath(config, self.registry, http, self.scheduler, self.master)
             app.state.backend = self.path
             # Routes need the tokenizer, so they join once it is loaded (before serving) and
             # leave with this lifespan (a restarted app gets fresh ones).
@@ -192,9 +209,11 @@ class Conductor:
                     log.warning("background store calls still running at shutdown")
                 self.path = None
 
-    def health(self) -> Response:
+    async def health(self) -> Response:
         """200 once a prefill, a decode and a store instance are alive; else 503."""
         counts = self.registry.counts()
+        if not self.master.registers_stores:
+            counts["store"] = await self.master.store_nodes()
         ok = all(counts[role] > 0 for role in INSTANCE_ROLES)
         body: dict[str, Any] = {"status": "ok" if ok else "waiting for instances",
                                 "instances": counts}
@@ -214,16 +233,18 @@ def build_app(config: ServerConfig) -> FastAPI:
                       max_body_bytes=conductor.limits.max_body_bytes)
     app.state.registry = conductor.registry
     app.state.store_master = conductor.store_master
-    for router in (registry_router(conductor.registry, secret),
-                   operator_router(conductor.current_path, secret),
-                   master_router(conductor.store_master, secret),
-                   local_cache_router(conductor.local_caches, secret)):
+    routers = [registry_router(conductor.registry, secret),
+               operator_router(conductor.current_path, secret),
+               local_cache_router(conductor.local_caches, secret)]
+    if conductor.store_master is not None:
+        routers.append(master_router(conductor.store_master, secret))
+    for router in routers:
         app.include_router(router)
 
     @app.get("/health")
     async def health() -> Response:
         """200 once a prefill, a decode and a store instance are alive; else 503."""
-        return conductor.health()
+        return await conductor.health()
 
     @app.get("/metrics")
     async def get_metrics() -> Response:

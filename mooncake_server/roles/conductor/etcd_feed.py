@@ -33,11 +33,13 @@ class RegistryFeed:
     """Publishes this conductor under `conductors/` and mirrors `instances/` into `registry`."""
 
     def __init__(self, settings: EtcdSettings, registry: InstanceRegistry,
-                 me: ConductorInfo) -> None:
+                 me: ConductorInfo, own_key: str | None = None) -> None:
+        """Publish `me` under `own_key` (default: its conductor key; a standalone store master
+        passes its own, so instances do not take it for a conductor)."""
         self._session = EtcdSession(settings)
         self._registry = registry
         self._settings = settings
-        self._own = LeasedKey(self._session, settings.conductor_key(me.conductor_id),
+        self._own = LeasedKey(self._session, own_key or settings.conductor_key(me.conductor_id),
                               me.model_dump_json().encode(), settings.lease_ttl_s)
         self._watch = PrefixWatch(self._session, settings.instances_prefix,
                                   on_sync=self._sync, on_put=self._put, on_delete=self._delete)

@@ -13,9 +13,9 @@ import httpx
 
 from mooncake_server.api.backend import BackendError, TokenEvent
 from mooncake_server.roles.conductor.flow import RequestFlow
+from mooncake_server.roles.conductor.master_link import MasterLink, MasterUnavailable
 from mooncake_server.roles.conductor.moves import MoveStats
 from mooncake_server.roles.conductor.registry import InstanceRegistry
-from mooncake_server.roles.conductor.store_index.master import StoreMaster
 from mooncake_server.roles.conductor.watch import (
     DIED,
     ERROR,
@@ -54,7 +54,7 @@ class InstanceCalls:
     """One request's calls to the prefill / decode / store instance it is placed on."""
 
     def __init__(self, http: httpx.AsyncClient, headers: dict[str, str],
-                 timeout: httpx.Timeout, registry: InstanceRegistry, store_master: StoreMaster,
+                 timeout: httpx.Timeout, registry: InstanceRegistry, store_master: MasterLink,
                  stats: MoveStats, heartbeat_timeout_s: float) -> None:
         self._http = http
         self._headers = headers
@@ -171,7 +171,11 @@ class InstanceCalls:
         if tail is None:
             return
         flow.tail_settled = True  # NOTE: try once, whatever the outcome
-        where = self._store_master.locate([tail])
+        try:
+            where = await self._store_master.locate([tail])
+        except MasterUnavailable as exc:
+            log.warning("removing tail %s: %s", tail, exc)
+            return
         for replica in where.replicas[0]:
             store = where.nodes[replica.node_id]
             try:

@@ -40,10 +40,10 @@ from mooncake_server.model_assets import served_name
 from mooncake_server.roles.conductor.admission_client import release_decode_later, reserve_decode
 from mooncake_server.roles.conductor.flow import DECODE, RequestFlow
 from mooncake_server.roles.conductor.instance_calls import InstanceCalls
+from mooncake_server.roles.conductor.master_link import MasterLink
 from mooncake_server.roles.conductor.moves import MoveStats, RequestMoves
 from mooncake_server.roles.conductor.registry import INSTANCE_ROLES, InstanceRegistry
 from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler
-from mooncake_server.roles.conductor.store_index.master import StoreMaster
 from mooncake_server.roles.conductor.watch import least_loaded
 from mooncake_server.wire.auth import secret_headers
 from mooncake_server.wire.jobs import FirstToken, PrefillFirst, PrefillResult, SamplingParams
@@ -56,7 +56,7 @@ class RequestPath:
     """Backend that runs each request on a prefill instance, the store and a decode instance."""
 
     def __init__(self, config: ServerConfig, registry: InstanceRegistry, http: httpx.AsyncClient,
-                 scheduler: KVCacheScheduler, store_master: StoreMaster) -> None:
+                 scheduler: KVCacheScheduler, store_master: MasterLink) -> None:
         self.scheduler = scheduler
         self.store_master = store_master
         self.namespace = kv_namespace(
@@ -76,8 +76,10 @@ class RequestPath:
         self._background: set[asyncio.Task[object]] = set()
 
     def ready(self) -> bool:
-        """True when at least one prefill, decode and store instance is alive."""
-        return all(self._registry.alive(role) for role in INSTANCE_ROLES)
+        """True when at least one prefill, decode and store instance is alive (store nodes
+        of a standalone master are its to watch, not ours)."""
+        return all(self._registry.alive(role) for role in INSTANCE_ROLES
+                   if role != "store" or self.store_master.registers_stores)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """Plan, reserve, prefill (its first tokens streamed as soon as the prompt is
@@ -179,10 +181,7 @@ class RequestPath:
 
     def _count_reuse(self, cached: list[str]) -> None:
         """Count hits on the cached prefix; hot blocks gain replicas in the background."""
-        self.store_master.note_hits(cached)
-        copies = self.store_master.hot_plan(cached)
-        if copies:
-            self._spawn(self.store_master.replicate_hot(cached, self._http, copies))
+        self.store_master.reuse(cached)
 
     async def _reserve_decode(self, flow: RequestFlow) -> None:
         """Decode admission before any prefill work: the planned decode instance (or the next

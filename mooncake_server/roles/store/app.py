@@ -110,7 +110,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         if ssd is not None:
             stack.push_async_callback(_cancel, asyncio.create_task(
                 _demote_forever(node), name="store-demoter"))
-        if config.conductor_url or config.etcd_endpoints:
+        if config.conductor_url or config.etcd_endpoints or config.master_base:
             info = InstanceInfo(instance_id=instance_id, role="store", url=config.base_url,
                                 transfer_address=address, segment=SEGMENT_NAME,
                                 control_address=control)

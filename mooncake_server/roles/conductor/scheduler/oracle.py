@@ -41,9 +41,9 @@ class PrefixOracle(Protocol):
 
 
 class PrefixIndex(Protocol):
-    """The part of the conductor's store master the oracle needs (`StoreMaster.prefix`)."""
+    """The part of the conductor's store master the oracle needs (`MasterLink.prefix`)."""
 
-    def prefix(self, keys: list[str]) -> StorePrefixReply:
+    async def prefix(self, keys: list[str]) -> StorePrefixReply:
         """Longest prefix cached anywhere, and per live node."""
         ...
 
@@ -84,7 +84,7 @@ class IndexPrefixOracle:
         """One in-memory index query, spread onto colocated prefill instances."""
         if not keys:
             return {}
-        reply = self._index.prefix(list(keys))
+        reply = await self._index.prefix(list(keys))
         hits: dict[str, int] = {STORE_WIDE: reply.prefix, **reply.by_node}
         if self._local is not None:
             for prefill in self._registry.alive("prefill"):
@@ -95,8 +95,9 @@ class IndexPrefixOracle:
         by_host: dict[str, int] = {}
         for node_id, blocks in reply.by_node.items():
             info = self._registry.get(node_id)
-            if info is not None:
-                host = _host(info.url)
+            url = reply.urls.get(node_id) or (info.url if info is not None else None)
+            if url is not None:  # NOTE: a standalone master's nodes are not in our registry
+                host = _host(url)
                 by_host[host] = max(by_host.get(host, 0), blocks)
         for info in self._registry.alive("prefill"):
             local = by_host.get(_host(info.url), 0)

@@ -1,6 +1,6 @@
 """The global store index: which store node holds which key, in which tier, at what size.
 
-Pure bookkeeping, no I/O; the store master (in the conductor) owns one and feeds it the nodes'
+Pure bookkeeping, no I/O; the store master (`--role master`, or in the conductor) owns one and feeds it the nodes'
 reports. A node's reports form one stream per epoch (one epoch per node start): a snapshot
 replaces everything the index knew of that node, then deltas apply in order. A report from an
 epoch the index does not know (conductor restarted, node restarted) asks for a resync.
@@ -65,6 +65,24 @@ class GlobalIndex:
                     del self._where[key]
                     self._sizes.pop(key, None)
         return len(keys)
+
+    def note(self, node: str, key: str, size: int) -> None:
+        """Index a DRAM copy a client just committed on `node` (its node's report follows;
+        applying both is harmless)."""
+        if node in self._streams:
+            self._set(node, StoreEntry(key=key, size=size, tier=TIER_DRAM))
+
+    def forget(self, key: str) -> list[str]:
+        """Take `key` out of the index at once (a client removes it); return its holders."""
+        where = self._where.pop(key, {})
+        self._sizes.pop(key, None)
+        for node in where:
+            self._node_keys[node].discard(key)
+        return sorted(where)
+
+    def keys(self) -> list[str]:
+        """Every indexed key."""
+        return list(self._where)
 
     def nodes(self) -> list[str]:
         """Nodes the index has reports from."""

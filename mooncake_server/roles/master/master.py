@@ -1,4 +1,5 @@
-"""The store master, inside the conductor: the one global index, placement and hot-block copies.
+"""The store master: the one global index, placement, read leases and hot-block copies. It runs
+as its own process (`--role master`, roles/master/app.py) or inside the conductor (the default).
 
 Store nodes report what they hold (a snapshot when they (re)start, then deltas: commit, evict,
 demote, rehydrate, remove) to POST /internal/store/report. Engine roles ask where keys live
@@ -6,6 +7,9 @@ demote, rehydrate, remove) to POST /internal/store/report. Engine roles ask wher
 cached prefix over the cluster and per node (`prefix`). Placement is consistent hashing over the
 live store nodes with `replicas` copies; a key many requests hit gains copies on more nodes
 (`replicate_hot`, paper §4.2), which the target nodes pull from a holder over the transfer engine.
+Store clients (mooncake_api) also ask it to lease keys they read (`locate` with
+`lease_ms`: a remove without force is refused until the lease ends, as Mooncake's master does),
+to index their commits at once (`committed`) and to drop keys they remove (`drop`).
 Every route needs the cluster secret. Reports also have a binary channel (`serve_index_channel`,
 rpc.py): a node's first report goes over HTTP, whose answer names the channel, and later ones
 cost the node and the conductor tens of microseconds instead of an HTTP request each (~1 ms of
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -26,13 +32,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mooncake_server.roles.conductor.registry import InstanceRegistry
-from mooncake_server.roles.conductor.store_index.index import GlobalIndex
-from mooncake_server.roles.conductor.store_index.placement import HashRing
+from mooncake_server.roles.master.index import GlobalIndex
+from mooncake_server.roles.master.placement import HashRing
 from mooncake_server.wire.auth import require_secret, secret_headers
 from mooncake_server.wire.index import (
+    HAS_LEASE,
+    NOT_FOUND,
     IndexOp,
+    StoreCommitted,
+    StoreDrop,
+    StoreDropReply,
     StoreLocate,
     StoreLocateReply,
+    StorePlace,
     StorePlaceReply,
     StorePrefixReply,
     StoreReplica,
@@ -42,10 +54,13 @@ from mooncake_server.wire.index import (
 )
 from mooncake_server.wire.instances import StoreLocation
 from mooncake_server.wire.routes import (
+    INDEX_COMMITTED,
+    INDEX_DROP,
     INDEX_LOCATE,
     INDEX_PLACE,
     INDEX_PREFIX,
     INDEX_REPORT,
+    INDEX_REUSE,
     INDEX_STATS,
     STORE_REPLICATE,
     CallError,
@@ -58,6 +73,8 @@ from mooncake_server.wire.store_ops import StoreKeys
 
 log = logging.getLogger(__name__)
 
+# Mooncake's default: a key read stays leased 5 s (mooncake_master --default_kv_lease_ttl).
+DEFAULT_LEASE_S = 5.0
 
 
 class CopyTask(NamedTuple):
@@ -74,8 +91,9 @@ class StoreMaster:
 
     def __init__(self, registry: InstanceRegistry, replicas: int, secret: str, *,
                  hot_threshold: int = 8, hot_replicas: int | None = None,
-                 max_tracked_keys: int = 200_000) -> None:
-        """`replicas` copies per key; keys hit `hot_threshold` times get `hot_replicas` copies.
+                 max_tracked_keys: int = 200_000, lease_s: float = DEFAULT_LEASE_S) -> None:
+        """`replicas` copies per key; keys hit `hot_threshold` times get `hot_replicas` copies;
+        a key read with a lease is kept from removal `lease_s` seconds.
 
         `hot_replicas` None means every live node.
         """
@@ -96,6 +114,9 @@ class StoreMaster:
         self.copies_requested = 0
         self.copies_made = 0
         self.channel: str | None = None  # host:port of the binary report channel, once served
+        self.lease_s = lease_s
+        self._leases: dict[str, float] = {}  # key -> monotonic end of its read lease
+        self._background: set[asyncio.Task[int]] = set()
 
     # ---- membership ---------------------------------------------------------------------------
 
@@ -137,8 +158,10 @@ class StoreMaster:
         """The binary channel's ops: JSON payload in, JSON reply out."""
         return {int(IndexOp.REPORT): json_handler(StoreReport, self.report)}
 
-    def locate(self, keys: list[str], fallback: bool = True) -> StoreLocateReply:
-        """Live replicas of each key; keys the index lacks get their ring targets (fallback)."""
+    def locate(self, keys: list[str], fallback: bool = True,
+               lease: bool = False) -> StoreLocateReply:
+        """Live replicas of each key; keys the index lacks get their ring targets (fallback);
+        with `lease`, keys found are leased for `lease_s`."""
         self._purge_departed()
         alive = self.live_nodes()
         ring = self.ring(alive)
@@ -152,24 +175,90 @@ class StoreMaster:
                 # NOTE: a commit may not have reached the index yet; its writer put it here.
                 reps = [StoreReplica(node_id=n, tier="unknown")
                         for n in ring.targets(key, self.replicas)] if alive else []
+            if found and lease:
+                self._leases[key] = time.monotonic() + self.lease_s
             used.update(r.node_id for r in reps)
             replicas.append(reps)
-        return StoreLocateReply(nodes={n: alive[n] for n in used}, replicas=replicas)
+        return StoreLocateReply(nodes={n: alive[n] for n in used}, replicas=replicas,
+                                sizes=[self.index.size_of(k) for k in keys])
 
-    def place(self, keys: list[str]) -> StorePlaceReply:
-        """The `replicas` ring targets of each key over the live nodes."""
+    def place(self, keys: list[str], replicas: int | None = None,
+              preferred: list[str] | None = None,
+              skip_existing: bool = False) -> StorePlaceReply:
+        """Ring targets of each key over the live nodes (`replicas` of them, default the
+        master's), the live `preferred` nodes (ids or transfer addresses) first; with
+        `skip_existing`, keys some live node holds get none."""
         alive = self.live_nodes()
+        existing = ([bool(self.index.replicas(k, alive)) for k in keys] if skip_existing
+                    else [])
         if not alive:
-            return StorePlaceReply(nodes={}, targets=[[] for _ in keys])
+            return StorePlaceReply(nodes={}, targets=[[] for _ in keys], existing=existing)
         ring = self.ring(alive)
-        targets = [ring.targets(key, self.replicas) for key in keys]
+        want = min(replicas or self.replicas, len(alive))
+        first = [n for p in preferred or [] for n, loc in alive.items()
+                 if p in (n, loc.transfer_address)]
+        targets = []
+        for i, key in enumerate(keys):
+            if existing and existing[i]:
+                targets.append([])
+                continue
+            picked = list(dict.fromkeys(first))[:want]
+            picked += [n for n in ring.targets(key, len(alive)) if n not in picked]
+            targets.append(picked[:want])
         used = {n for t in targets for n in t}
-        return StorePlaceReply(nodes={n: alive[n] for n in used}, targets=targets)
+        return StorePlaceReply(nodes={n: alive[n] for n in used}, targets=targets,
+                               existing=existing)
 
     def prefix(self, keys: list[str]) -> StorePrefixReply:
-        """Longest prefix cached anywhere, and per live node."""
-        prefix, by_node = self.index.prefixes(keys, self.live_nodes())
-        return StorePrefixReply(prefix=prefix, by_node=by_node)
+        """Longest prefix cached anywhere, and per live node (with the nodes' URLs)."""
+        alive = self.live_nodes()
+        prefix, by_node = self.index.prefixes(keys, alive)
+        return StorePrefixReply(prefix=prefix, by_node=by_node,
+                                urls={n: loc.url for n, loc in alive.items()})
+
+    # ---- store clients (mooncake_api) ---------------------------------------------------------
+
+    def committed(self, body: StoreCommitted) -> None:
+        """Index a client's just-committed keys on their node."""
+        if len(body.keys) != len(body.sizes):
+            raise ValueError("committed: one size per key")
+        for key, size in zip(body.keys, body.sizes):
+            self.index.note(body.node_id, key, size)
+
+    def drop(self, body: StoreDrop) -> StoreDropReply:
+        """Take keys out of the index for a client's remove; a leased key stays unless force."""
+        if body.all:
+            keys = self.index.keys()
+        elif body.regex is not None:
+            try:
+                pattern = re.compile(body.regex)
+            except re.error as exc:
+                raise ValueError(f"remove_by_regex: invalid pattern: {exc}") from None
+            keys = [k for k in self.index.keys() if pattern.search(k)]
+        else:
+            keys = body.keys
+        now = time.monotonic()
+        alive = self.live_nodes()
+        codes, holders = [], []
+        for key in keys:
+            if self.index.size_of(key) is None:
+                codes.append(NOT_FOUND)
+                holders.append([])
+            elif not body.force and self._leases.get(key, 0.0) > now:
+                codes.append(HAS_LEASE)
+                holders.append([])
+            else:
+                self._leases.pop(key, None)
+                codes.append(0)
+                holders.append([n for n in self.index.forget(key) if n in alive])
+        self._expire_leases(now)
+        used = {n for h in holders for n in h}
+        return StoreDropReply(keys=keys, codes=codes, holders=holders,
+                              nodes={n: alive[n] for n in used})
+
+    def _expire_leases(self, now: float) -> None:
+        if len(self._leases) > 4 * max(16, self.index.stats().keys):
+            self._leases = {k: t for k, t in self._leases.items() if t > now}
 
     # ---- hot blocks ---------------------------------------------------------------------------
 
@@ -201,6 +290,17 @@ class StoreMaster:
                 if (key, target) not in self._copying:
                     plan.append(CopyTask(key, size, holders[0][0], target))
         return plan
+
+    def reuse(self, keys: list[str], http: httpx.AsyncClient) -> int:
+        """Count a request reusing `keys`; hot ones gain copies in the background. Returns how
+        many copies were asked for."""
+        self.note_hits(keys)
+        plan = self.hot_plan(keys)
+        if plan:
+            task = asyncio.get_running_loop().create_task(self.replicate_hot(keys, http, plan))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return len(plan)
 
     async def replicate_hot(self, keys: list[str], http: httpx.AsyncClient,
                             plan: list[CopyTask] | None = None) -> int:
@@ -275,8 +375,10 @@ async def serve_index_channel(master: StoreMaster, host: str, port: int, public_
     return server
 
 
-def master_router(master: StoreMaster, secret: str) -> APIRouter:
-    """Routes: INDEX_REPORT, INDEX_LOCATE, INDEX_PLACE, INDEX_PREFIX, INDEX_STATS."""
+def master_router(master: StoreMaster, secret: str,
+                  http: httpx.AsyncClient | None = None) -> APIRouter:
+    """Routes: INDEX_REPORT, INDEX_LOCATE, INDEX_PLACE, INDEX_PREFIX, INDEX_STATS,
+    INDEX_COMMITTED, INDEX_DROP, and INDEX_REUSE when `http` (for hot copies) is given."""
     router = APIRouter(dependencies=[Depends(require_secret(secret))])
 
     @serve(router, INDEX_REPORT)
@@ -290,12 +392,35 @@ def master_router(master: StoreMaster, secret: str) -> APIRouter:
     @serve(router, INDEX_LOCATE)
     async def locate(body: StoreLocate) -> StoreLocateReply:
         """Where each key's live copies are."""
-        return master.locate(body.keys, body.fallback)
+        return master.locate(body.keys, body.fallback, body.lease)
 
     @serve(router, INDEX_PLACE)
-    async def place(body: StoreKeys) -> StorePlaceReply:
+    async def place(body: StorePlace) -> StorePlaceReply:
         """Where new keys go."""
-        return master.place(body.keys)
+        return master.place(body.keys, body.replicas, body.preferred, body.skip_existing)
+
+    @serve(router, INDEX_COMMITTED)
+    async def committed(body: StoreCommitted) -> dict[str, bool]:
+        """A client's keys, committed on a node: indexed now."""
+        try:
+            master.committed(body)
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from None
+        return {"ok": True}
+
+    @serve(router, INDEX_DROP)
+    async def drop(body: StoreDrop) -> StoreDropReply:
+        """Keys a client removes, out of the index (leased ones kept unless force)."""
+        try:
+            return master.drop(body)
+        except ValueError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from None
+
+    if http is not None:
+        @serve(router, INDEX_REUSE)
+        async def reuse(body: StoreKeys) -> dict[str, int]:
+            """A conductor's request reuses these keys (hot-block copies)."""
+            return {"copies": master.reuse(body.keys, http)}
 
     @serve(router, INDEX_PREFIX)
     async def prefix(body: StoreKeys) -> StorePrefixReply:

@@ -1,0 +1,90 @@
+"""The small types of Mooncake's store API: error codes, `ReplicateConfig`, `SoftPinAction`,
+`BufferHandle`, with the real wheel's names, fields and values."""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+    """Mooncake's return codes (negative on failure), as its store client returns them."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+    NO_AVAILABLE_HANDLE = -200  # no space: nothing could be allocated for the value
+    INVALID_PARAMS = -600
+    INVALID_READ = -701
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    TRANSFER_FAIL = -800
+    RPC_FAIL = -900
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010  # the client is not set up (or closed)
+
+
+class SoftPinAction(enum.IntEnum):
+    """What a put does to the object's soft pin (Mooncake: pinned objects are evicted last)."""
+
+    NONE = 0
+    PIN = 1
+    UNPIN = 2
+
+
+class ReplicateConfig:
+    """Per-put placement: `replica_num` copies, on `preferred_segment(s)` first (a segment is a
+    store node: its id or transfer address, Mooncake's "host:port")."""
+
+    def __init__(self) -> None:
+        """Mooncake's defaults: one replica, no preference, no pin."""
+        self.replica_num = 1
+        self.preferred_segment = ""
+        self.preferred_segments: list[str] = []
+        self.prefer_alloc_in_same_node = False
+        self.with_hard_pin = False
+        self.soft_pin_action = SoftPinAction.NONE
+        self.soft_pin_ttl_ms = 0
+
+    @property
+    def with_soft_pin(self) -> bool:
+        """Older Mooncake's switch for a soft pin (soft_pin_action PIN)."""
+        return self.soft_pin_action == SoftPinAction.PIN
+
+    @with_soft_pin.setter
+    def with_soft_pin(self, value: bool) -> None:
+        self.soft_pin_action = SoftPinAction.PIN if value else SoftPinAction.NONE
+
+    def preferred(self) -> list[str]:
+        """Every preferred segment, in order."""
+        out = [self.preferred_segment] if self.preferred_segment else []
+        return out + [s for s in self.preferred_segments if s and s not in out]
+
+    def __repr__(self) -> str:
+        return (f"ReplicateConfig(replica_num={self.replica_num}, preferred="
+                f"{self.preferred()!r}, soft_pin={self.soft_pin_action.name}, "
+                f"hard_pin={self.with_hard_pin})")
+
+
+class BufferHandle:
+    """Bytes of one object read into memory this client owns (`get_buffer`)."""
+
+    def __init__(self, buffer: ctypes.Array[ctypes.c_char], size: int) -> None:
+        """Wrap `buffer`, whose first `size` bytes are the object."""
+        self._buffer = buffer
+        self._size = size
+
+    def ptr(self) -> int:
+        """Address of the bytes."""
+        return ctypes.addressof(self._buffer)
+
+    def size(self) -> int:
+        """Their length."""
+        return self._size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def tobytes(self) -> bytes:
+        """A copy of the bytes."""
+        return ctypes.string_at(self.ptr(), self._size)
