@@ -133,7 +133,7 @@ class ApiCore:
         sizes = [sum(n for _, n in p) for p in parts]
         single = all(len(p) == 1 for p in parts)
         try:
-            place = await cluster.place(keys, config.replica_num or None, config.preferred(),
+            place = await cluster.place(keys, config.replica_num, config.preferred(),
                                         skip_existing=True)
             stored, holders = await cluster.put_where(
                 keys, [p[0][0] for p in parts], sizes, checksums, place=place,
@@ -199,6 +199,9 @@ class ApiCore:
                 codes[i] = ErrorCode.OBJECT_NOT_FOUND
             elif pieces is None:
                 codes[i] = ErrorCode.INVALID_PARAMS  # the caller's buffer is too small
+            elif len(room[i]) > 1 and sum(n for _, n in room[i]) != size:
+                # NOTE: as Mooncake: several buffers must add up to the object exactly.
+                codes[i] = ErrorCode.TRANSFER_FAIL
             else:
                 todo.append(i)
                 exact.append(pieces)
@@ -219,9 +222,10 @@ class ApiCore:
         return codes
 
     async def exist(self, keys: list[str]) -> list[int]:
-        """Per key 1 (held), 0 (not) or a negative ErrorCode."""
+        """Per key 1 (held), 0 (not) or a negative ErrorCode; a key found is leased, as
+        Mooncake's master leases keys it answers for."""
         try:
-            where = await self.locate(keys)
+            where = await self.locate(keys, lease=True)
         except StoreError:
             return [ErrorCode.RPC_FAIL] * len(keys)
         return [1 if reps else 0 for reps in where.replicas]

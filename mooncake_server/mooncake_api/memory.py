@@ -3,8 +3,9 @@ lies in memory registered with the engine (as in Mooncake).
 
 `Regions` are the caller's buffers (`register_buffer`): zero-copy calls read and write only
 inside them. `Staging` is the `local_buffer_size` buffer the copying calls (`put(bytes)`,
-`get`) go through, one extent per call; a value larger than what is free gets a buffer of its
-own, registered for that call only. `staged_bytes` counts every byte copied through either,
+`put(bytes)`) go through, one extent per call (a value larger than what is free is refused,
+as Mooncake refuses it); `get` reads into a new buffer of the object's size, registered for
+that call only. `staged_bytes` counts every byte copied through either,
 so a zero-copy path can be shown to copy nothing.
 """
 
@@ -16,6 +17,7 @@ import itertools
 import threading
 from collections.abc import Iterator
 
+from mooncake_server.mooncake_api.surface import BufferHandle
 from mooncake_server.roles.store.allocator import OffsetAllocator
 from mooncake_server.transfer import TransferEngine, TransferError
 
@@ -81,31 +83,31 @@ class Staging:
         self.staged_bytes = 0
 
     @contextlib.contextmanager
-    def extent(self, size: int) -> Iterator[int]:
-        """A registered address with room for `size` bytes, for the length of the block."""
+    def extent(self, size: int) -> Iterator[int | None]:
+        """A registered address with room for `size` bytes, for the length of the block; None
+        when the staging buffer has no such room (Mooncake refuses such a value: -600)."""
         offset = None
         if self._alloc is not None and size > 0:
             with self._lock:
                 offset = self._alloc.allocate(size)
-        if offset is not None:
-            try:
-                yield self._base + offset
-            finally:
-                with self._lock:
-                    assert self._alloc is not None
-                    self._alloc.free(offset)
+        if offset is None:
+            yield None
             return
-        with self.own(size) as (addr, _):
-            yield addr
+        try:
+            yield self._base + offset
+        finally:
+            with self._lock:
+                assert self._alloc is not None
+                self._alloc.free(offset)
 
     @contextlib.contextmanager
-    def own(self, size: int) -> Iterator[tuple[int, ctypes.Array[ctypes.c_char]]]:
+    def own(self, size: int) -> Iterator[tuple[int, BufferHandle]]:
         """A new buffer of `size` bytes, registered for the block; it outlives the block."""
-        buffer = ctypes.create_string_buffer(max(1, size))
+        buffer = BufferHandle(max(1, size))
         name = f"mooncake-api-scratch-{next(_names)}"
         self._engine.register_memory(name, buffer)
         try:
-            yield ctypes.addressof(buffer), buffer
+            yield buffer.ptr(), buffer
         finally:
             try:
                 self._engine.unregister_memory(name)

@@ -23,6 +23,7 @@ from mooncake_server.roles.store.node import StoreNode
 from mooncake_server.roles.store.reporter import IndexReporters
 from mooncake_server.roles.store.service import StoreService
 from mooncake_server.transfer import TransferEngine
+from mooncake_server.wire.index import StoreEntry
 from mooncake_server.wire.instances import InstanceInfo, StoreLocation
 from mooncake_server.wire.rpc import RpcServer
 
@@ -63,7 +64,8 @@ class MountedSegment:
         self.node = StoreNode(pool, pool_addr, report=self._changed,
                               keyed=EngineKeyedReads(self.engine, self.name))
         service = StoreService(lambda: self.node)
-        self._rpc = RpcServer(service.rpc_handlers(), self.secret.encode())
+        self._rpc = RpcServer(service.rpc_handlers(), self.secret.encode(),
+                              on_disconnect=service.disconnected)
         port = await self._rpc.start(self.host, 0)
         control = f"{self.host}:{port}"
         # NOTE: no HTTP app: peers use the control channel; the URL only names the node.
@@ -83,9 +85,9 @@ class MountedSegment:
         log.info("mounted %d bytes as store segment %s at %s", self.size, self.name,
                  self.engine.address)
 
-    def _changed(self, entry: object) -> None:
+    def _changed(self, entry: StoreEntry) -> None:
         if self._reporters is not None:
-            self._reporters.changed(entry)  # type: ignore[arg-type]
+            self._reporters.changed(entry)
 
     async def _reap_forever(self) -> None:
         while True:

@@ -19,7 +19,12 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from mooncake_server.mooncake_api.core import ApiCore, MasterRefused
-from mooncake_server.mooncake_api.settings import ClientSettings, from_setup_args
+from mooncake_server.mooncake_api.settings import (
+    IGNORED,
+    POSITIONAL,
+    ClientSettings,
+    from_setup_args,
+)
 from mooncake_server.mooncake_api.surface import BufferHandle, ErrorCode, ReplicateConfig
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.transfer import TransferError, crc32c_combine, crc32c_many
@@ -89,6 +94,9 @@ class MooncakeDistributedStore:
         > 0): `setup(local_hostname, metadata_server, global_segment_size, local_buffer_size,
         protocol, rdma_devices, master_server_addr[, engine])`, the same as keywords, or one
         dict. 0 on success."""
+        unknown = set(kwargs) - set(POSITIONAL) - IGNORED
+        if unknown:  # as the real binding: a wrong keyword is a TypeError, not a code
+            raise TypeError(f"setup(): incompatible function arguments: {sorted(unknown)}")
         try:
             settings, engine = from_setup_args(args, kwargs)
         except (ValueError, TypeError) as exc:
@@ -113,25 +121,22 @@ class MooncakeDistributedStore:
         return self._start(settings)
 
     def _start(self, settings: ClientSettings) -> int:
+        self.close()  # a second setup starts over with the new settings, as the real one
         with self._lock:
-            if self._core is not None:
-                return ErrorCode.OK  # already set up, as the real client answers
             loop = _LoopThread()
             core = ApiCore(settings)
             try:
                 loop.run(core.start())
-            except MasterRefused as exc:
+            except (MasterRefused, StoreError, TransferError, OSError) as exc:
+                # NOTE: the real setup answers every failure (master unreachable, bad
+                # protocol, ...) with INVALID_PARAMS.
                 log.error("setup: %s", exc)
-                code = ErrorCode.RPC_FAIL
-            except (StoreError, TransferError, OSError) as exc:
-                log.error("setup: %s", exc)
-                code = ErrorCode.RPC_FAIL
             else:
                 self._core, self._loop = core, loop
                 return ErrorCode.OK
             loop.run(core.close())
             loop.stop()
-            return code
+            return ErrorCode.INVALID_PARAMS
 
     def close(self) -> int:
         """Unmount this client's segment (its data leaves the store) and disconnect."""
@@ -149,10 +154,10 @@ class MooncakeDistributedStore:
         return self._core.hostname if self._core is not None else ""
 
     def health_check(self) -> int:
-        """0 when the master answers this client."""
+        """0 healthy, 1 not set up (or closed), 2 the master does not answer (as Mooncake)."""
         if self._core is None or self._loop is None:
-            return ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS
-        return ErrorCode.OK if self._loop.run(self._core.healthy()) else ErrorCode.RPC_FAIL
+            return 1
+        return 0 if self._loop.run(self._core.healthy()) else 2
 
     # ---- memory -------------------------------------------------------------------------------
 
@@ -193,7 +198,9 @@ class MooncakeDistributedStore:
         return self._put_values([key], [[value]], config, replace=False)[0]
 
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
-        """Store the concatenation of `parts` under `key`."""
+        """Store the concatenation of `parts` under `key` (no parts: 0, nothing stored)."""
+        if not any(len(memoryview(p)) for p in parts):
+            return ErrorCode.OK if key else ErrorCode.INVALID_PARAMS
         return self._put_values([key], [list(parts)], config, replace=False)[0]
 
     def put_batch(self, keys: list[str], values: list[Any],
@@ -265,6 +272,8 @@ class MooncakeDistributedStore:
         staging = self._core.staging
         sizes = [sum(n for _, n, _ in h) for h in held]
         with staging.extent(sum(sizes)) as base:
+            if base is None:  # larger than the local buffer (local_buffer_size) has free
+                return [ErrorCode.INVALID_PARAMS] * len(keys)
             pieces, at = [], base
             for h, size in zip(held, sizes):
                 pieces.append([(at, size)] if size else [])
@@ -276,9 +285,12 @@ class MooncakeDistributedStore:
 
     def _put_pieces(self, keys: list[str], pieces: list[Pieces],
                     config: ReplicateConfig | None, replace: bool) -> list[int]:
+        """Write from registered memory; an object of 0 bytes is answered 0, not stored (as
+        Mooncake's put_from answers it)."""
         codes = [ErrorCode.OK if all(self._inside(p, n) for p, n in ps) else
                  ErrorCode.INVALID_PARAMS for ps in pieces]
-        ok = [i for i, c in enumerate(codes) if c == ErrorCode.OK]
+        ok = [i for i, c in enumerate(codes) if c == ErrorCode.OK
+              and sum(n for _, n in pieces[i]) > 0]
         written = self._write([keys[i] for i in ok], [[(p, n) for p, n in pieces[i] if n]
                                                       for i in ok], config, replace)
         for i, code in zip(ok, written):
@@ -289,6 +301,9 @@ class MooncakeDistributedStore:
                replace: bool) -> list[int]:
         if self._core is None or self._loop is None:
             return [ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS] * len(keys)
+        config = config or ReplicateConfig()
+        if config.replica_num < 1:
+            return [ErrorCode.INVALID_PARAMS] * len(keys)
         codes: list[int] = [ErrorCode.INVALID_PARAMS if not k or not p else ErrorCode.OK
                             for k, p in zip(keys, pieces)]
         todo = [i for i, c in enumerate(codes) if c == ErrorCode.OK]
@@ -296,7 +311,7 @@ class MooncakeDistributedStore:
             sums = [_checksum(pieces[i]) for i in todo]
             got = self._loop.run(self._core.put([keys[i] for i in todo],
                                                 [pieces[i] for i in todo], sums,
-                                                config or ReplicateConfig(), replace))
+                                                config, replace))
             for i, code in zip(todo, got):
                 codes[i] = code
         return [int(c) for c in codes]
@@ -323,7 +338,7 @@ class MooncakeDistributedStore:
         if self._core is None or self._loop is None:
             return [None] * len(keys)
         got = self._loop.run(self._core.get_owned(keys))
-        return [BufferHandle(b, c) if b is not None else None for b, c in got]
+        return [buf for buf, _ in got]
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Read `key` into a registered buffer; bytes read or a negative code."""

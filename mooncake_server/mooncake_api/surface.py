@@ -66,25 +66,18 @@ class ReplicateConfig:
                 f"hard_pin={self.with_hard_pin})")
 
 
-class BufferHandle:
-    """Bytes of one object read into memory this client owns (`get_buffer`)."""
-
-    def __init__(self, buffer: ctypes.Array[ctypes.c_char], size: int) -> None:
-        """Wrap `buffer`, whose first `size` bytes are the object."""
-        self._buffer = buffer
-        self._size = size
+class BufferHandle(bytearray):
+    """Bytes of one object read into memory this client owns (`get_buffer`); a buffer object
+    as the real one is (`bytes(h)`, `memoryview(h)`), with its address and size."""
 
     def ptr(self) -> int:
         """Address of the bytes."""
-        return ctypes.addressof(self._buffer)
+        return ctypes.addressof(ctypes.c_char.from_buffer(self)) if len(self) else 0
 
     def size(self) -> int:
         """Their length."""
-        return self._size
-
-    def __len__(self) -> int:
-        return self._size
+        return len(self)
 
     def tobytes(self) -> bytes:
         """A copy of the bytes."""
-        return ctypes.string_at(self.ptr(), self._size)
+        return bytes(self)

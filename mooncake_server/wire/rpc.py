@@ -19,6 +19,7 @@ wanted (fire-and-forget). Status 0 = ok; otherwise the payload is an error messa
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import hashlib
 import hmac
@@ -44,6 +45,9 @@ MAX_FRAME = 16 << 20
 # A handler answers with bytes at once, or with an awaitable of them (it has to wait, e.g. for
 # an SSD read); only the latter costs a task.
 Handler = Callable[[bytes], "bytes | Awaitable[bytes]"]
+# The connection a handler is answering (a key for per-peer state: what it reserved, say).
+current_peer: contextvars.ContextVar[object | None] = contextvars.ContextVar("rpc_peer",
+                                                                            default=None)
 
 
 class RpcStatus(enum.IntEnum):
@@ -136,11 +140,15 @@ class RpcServer:
     """Serves `handlers` (op -> payload -> reply) to peers that hold the secret."""
 
     def __init__(self, handlers: Mapping[int, Handler], secret: bytes, *,
-                 handshake_timeout_s: float = 5.0) -> None:
-        """Answer calls of the ops in `handlers` from peers that hold `secret`."""
+                 handshake_timeout_s: float = 5.0,
+                 on_disconnect: Callable[[object], None] | None = None) -> None:
+        """Answer calls of the ops in `handlers` from peers that hold `secret`;
+        `on_disconnect(peer)` is told of each connection that ends (the `current_peer` its
+        handlers saw)."""
         self.handlers = dict(handlers)
         self.secret = secret
         self.handshake_timeout_s = handshake_timeout_s
+        self.on_disconnect = on_disconnect
         self._server: asyncio.Server | None = None
         self.connections: set[_ServerConnection] = set()
 
@@ -185,6 +193,11 @@ class _ServerConnection(_FramedProtocol):
             self._deadline.cancel()
         for task in self._tasks:
             task.cancel()
+        if self._server.on_disconnect is not None:
+            try:
+                self._server.on_disconnect(self)
+            except Exception:  # noqa: BLE001 - a hook's failure must not break the server
+                logger.exception("rpc disconnect hook failed")
 
     def abort(self) -> None:
         """Drop the connection now."""
@@ -219,6 +232,13 @@ class _ServerConnection(_FramedProtocol):
         return rest
 
     def _on_frame(self, call_id: int, op: int, _status: int, payload: bytes) -> None:
+        token = current_peer.set(self)
+        try:
+            self._dispatch(call_id, op, payload)
+        finally:
+            current_peer.reset(token)
+
+    def _dispatch(self, call_id: int, op: int, payload: bytes) -> None:
         handler = self._server.handlers.get(op)
         if handler is None:
             self._reply(call_id, op, RpcStatus.UNKNOWN_OP, f"unknown op {op}".encode())

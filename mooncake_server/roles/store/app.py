@@ -96,7 +96,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         stack.push_async_callback(http.aclose)
         # Peers dial the advertised host, not the (possibly wildcard) listen address.
         address = f"{config.public_host}:{engine.address.rsplit(':', 1)[1]}"
-        rpc = RpcServer(service.rpc_handlers(), config.secret_bytes)
+        rpc = RpcServer(service.rpc_handlers(), config.secret_bytes,
+                        on_disconnect=service.disconnected)
         control_port = await rpc.start(config.host, config.store_control_port)
         stack.push_async_callback(rpc.close)
         control = f"{config.public_host}:{control_port}"

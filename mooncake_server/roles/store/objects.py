@@ -319,6 +319,11 @@ class ObjectTable:
         """The object stored under `key`, if any (any state)."""
         return self._objects.get(key)
 
+    def is_writing(self, key: str) -> bool:
+        """True while `key` is reserved and not yet committed."""
+        obj = self._objects.get(key)
+        return obj is not None and obj.state is ObjectState.WRITING
+
     def is_ready(self, key: str) -> bool:
         """True when `key` is READY (readable) in this pool."""
         obj = self._objects.get(key)

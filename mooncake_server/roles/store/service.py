@@ -7,12 +7,13 @@ store role's event loop, which serialises access to the object table.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 from mooncake_server.roles.store.node import StoreNode
 from mooncake_server.roles.store.objects import GetResult
 from mooncake_server.wire.routes import STORE_ROUTES
-from mooncake_server.wire.rpc import Call, Handler, RpcUnavailable, json_handler
+from mooncake_server.wire.rpc import Call, Handler, RpcUnavailable, current_peer, json_handler
 from mooncake_server.wire.store_ops import (
     StoreExistsReply,
     StoreGet,
@@ -28,6 +29,10 @@ from mooncake_server.wire.store_ops import (
     StoreRemoveReply,
 )
 
+logger = logging.getLogger(__name__)
+
+_MAX_TRACKED_WRITERS = 256
+
 
 class StoreService:
     """put_start / put_end / put_abort / get / release / exists / remove on one node."""
@@ -35,6 +40,9 @@ class StoreService:
     def __init__(self, node: Callable[[], StoreNode | None]) -> None:
         """`node` returns the running node, or None while the role starts or stops."""
         self._node = node
+        # Per RPC connection, its writers' reserved keys: a writer whose connection ends (it
+        # died mid-put) loses its reservations at once, not at the write timeout.
+        self._writers: dict[object, dict[str, list[str]]] = {}
 
     def node(self) -> StoreNode:
         """The running node; RpcUnavailable while there is none."""
@@ -45,8 +53,28 @@ class StoreService:
 
     def put_start(self, body: StorePutStart) -> StorePutStartReply:
         """Reserve space for new keys."""
-        res = self.node().put_start(body.keys, body.sizes, body.writer)
+        node = self.node()
+        res = node.put_start(body.keys, body.sizes, body.writer)
+        peer = current_peer.get()
+        if peer is not None and body.writer:
+            writers = self._writers.setdefault(peer, {})
+            if len(writers) >= _MAX_TRACKED_WRITERS:  # forget writers that finished
+                for writer, keys in list(writers.items()):
+                    if not any(node.table.is_writing(k) for k in keys):
+                        del writers[writer]
+            writers[body.writer] = [k for k, off in zip(body.keys, res.offsets)
+                                    if off is not None]
         return StorePutStartReply(offsets=res.offsets, refused=res.refused)
+
+    def disconnected(self, peer: object) -> None:
+        """An RPC connection ended: free what its writers still had reserved."""
+        writers = self._writers.pop(peer, {})
+        node = self._node()
+        if node is None:
+            return
+        freed = sum(node.put_abort(keys, writer) for writer, keys in writers.items())
+        if freed:
+            logger.info("a writer's connection ended mid-put: freed %d reservations", freed)
 
     def put_end(self, body: StorePutEnd) -> StorePutEndReply:
         """Commit written keys with their checksums."""
