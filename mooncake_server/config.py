@@ -265,8 +265,8 @@ class ServerConfig:
     etcd_lease_ttl_s: int = _setting(
         5, "--etcd-lease-ttl",
         "seconds a silent process's key stays in etcd (default 5)", (CONDUCTOR, *MEMBERS, MASTER))
-    etcd_ca_cert: str | None = _setting(None, "--etcd-ca-cert",
-                                        "PEM CA file: talk TLS to etcd", (CONDUCTOR, *MEMBERS, MASTER))
+    etcd_ca_cert: str | None = _setting(None, "--etcd-ca-cert", "PEM CA file: talk TLS to etcd",
+                                        (CONDUCTOR, *MEMBERS, MASTER))
     etcd_cert: str | None = _setting(None, "--etcd-cert", "PEM client certificate (mTLS)",
                                      (CONDUCTOR, *MEMBERS, MASTER))
     etcd_key: str | None = _setting(None, "--etcd-key", "PEM client key (mTLS)",

