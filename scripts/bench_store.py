@@ -4,14 +4,18 @@ memcpy, the bare TCP floor, Redis (redis-server on 127.0.0.1, redis-py + hiredis
 Store when importable.
 
     .venv/bin/python scripts/bench_store.py [--iters 40] [--skip-redis] [--skip-mooncake]
+        [--skip-api]
 
 Our store: a `--role store` process (DRAM pool registered with the transfer engine) and the real
 store-index routes in this process; the client is this process, over shared memory (same host)
 and TCP. Mooncake Store: `mooncake_master` + a holder process that mounts the segment + a client
 process, P2PHANDSHAKE metadata, protocol tcp, all inside `unshare -n` (it binds wildcard
-addresses). Every figure is printed next to the baselines measured in the same run.
-Needs: `pip install -e .[bench]` (redis[hiredis], mooncake-transfer-engine-non-cuda) and Debian
-`redis-server`.
+addresses), run by the wheel's own environment (.venv-mooncake-ref, scripts/setup.sh --test).
+The API path: batch_put_from / batch_get_into of 16 values through Mooncake's client API, ours
+(a pure client, a `--role master` and a `--role store` process) against the real wheel's (a
+pure client and a holder), TCP both (mooncake_bench/mooncake_calls.py). Every figure is printed
+next to the baselines measured in the same run. Needs: `pip install -e .[bench]`
+(redis[hiredis]) and Debian `redis-server`.
 """
 
 from __future__ import annotations
@@ -414,17 +418,27 @@ def bench_redis(iters: int) -> list[Row] | str:
 
 # ---- Mooncake Store -------------------------------------------------------------------------
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def reference_python() -> Path | None:
+    """The Python of the environment holding Mooncake's wheel (`.venv-mooncake-ref`, made by
+    scripts/setup.sh --test, or MOONCAKE_REF_PYTHON); it owns the `mooncake` package, so it is
+    not the one running this script."""
+    path = Path(os.environ.get("MOONCAKE_REF_PYTHON", ROOT / ".venv-mooncake-ref/bin/python"))
+    return path if path.exists() else None
+
+
 def bench_mooncake(iters: int) -> list[Row] | str:
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as exc:
-        return f"mooncake-transfer-engine-non-cuda not importable: {exc}"
+    python = reference_python()
+    if python is None:
+        return "Mooncake's wheel not installed (.venv-mooncake-ref: scripts/setup.sh --test)"
     if shutil.which("unshare") is None or os.geteuid() != 0:
         return "needs root and unshare(1): Mooncake binds wildcard addresses, so it runs in a " \
                "private network namespace"
-    master = shutil.which("mooncake_master") or str(Path(sys.executable).parent / "mooncake_master")
+    master = python.parent / "mooncake_master"
     out = Path(tempfile.mkdtemp()) / "mooncake.json"
-    script = (f"ip link set lo up && exec {sys.executable} {__file__} --mooncake-worker "
+    script = (f"ip link set lo up && exec {python} {__file__} --mooncake-worker "
               f"--iters {iters} --out {out} --master-bin {master}")
     run = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True,
                          check=False,
@@ -433,7 +447,51 @@ def bench_mooncake(iters: int) -> list[Row] | str:
         tail = (run.stdout + run.stderr).strip().splitlines()[-5:]
         return "Mooncake run failed: " + " | ".join(tail)
     data = json.loads(out.read_text())
-    return [Row(**row) for row in data]
+    return [Row(**{k: v for k, v in row.items() if k != "client_copies"}) for row in data]
+
+
+def bench_api(iters: int) -> tuple[list[Row], list[str]]:
+    """Our Mooncake API (`mooncake_server.mooncake_api`): a pure client in this process, a
+    `--role master` and a `--role store` process, TCP."""
+    from mooncake_bench.mooncake_calls import measure
+    from mooncake_testkit.role_procs import RoleProc
+
+    env = {**os.environ, "MOONCAKE_CLUSTER_SECRET": SECRET}
+    mport, sport = free_port(), free_port()
+    master = RoleProc("master", "master", "127.0.0.1", mport, [
+        sys.executable, "-m", "mooncake_server", "--role", "master", "--port", str(mport),
+        "--log-level", "warning"], env)
+    node = RoleProc("store", "store-api", "127.0.0.1", sport, [
+        sys.executable, "-m", "mooncake_server", "--role", "store", "--port", str(sport),
+        "--master", f"127.0.0.1:{mport}", "--memory", "2GiB", "--transport", "tcp",
+        "--log-level", "warning"], env)
+    try:
+        master.start().wait_healthy(60)
+        node.start().wait_healthy(60)
+        deadline = time.monotonic() + 30
+        while httpx_get_json(master.url + "/health").get("stores", 0) < 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the store node never registered with the master")
+            time.sleep(0.05)
+        os.environ["MOONCAKE_CLUSTER_SECRET"] = SECRET
+        data = measure("mooncake_server.mooncake_api", f"127.0.0.1:{mport}", "ours", iters)
+    finally:
+        node.kill()
+        master.kill()
+    notes = [f"ours API, {human(r['size'])}: {r['client_copies']} bytes copied through the "
+             f"client's own buffers during {r['op']} (zero-copy: 0)" for r in data
+             if r["op"].startswith("batch_get_into")]
+    return [Row(**{k: v for k, v in r.items() if k != "client_copies"}) for r in data], notes
+
+
+def httpx_get_json(url: str) -> dict[str, Any]:
+    """GET a JSON body, {} if the server does not answer yet."""
+    import httpx
+
+    try:
+        return dict(httpx.get(url, timeout=2).json())
+    except (httpx.HTTPError, ValueError):
+        return {}
 
 
 def mooncake_worker(iters: int, out: Path, master_bin: str) -> None:
@@ -493,8 +551,13 @@ def mooncake_worker(iters: int, out: Path, master_bin: str) -> None:
                                  (f"get x{BATCH}", bget_lat, BATCH)):
                 rows.append({"system": "mooncake", "path": "TCP (remote holder)", "size": size,
                              "op": op, "lat": lat, "per_call": per})
-        out.write_text(json.dumps(rows))
         store.close()
+        # The API path: batch_put_from / batch_get_into x16, timed as for ours (bench_api).
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mooncake_bench"))
+        import mooncake_calls
+
+        rows += mooncake_calls.measure("mooncake.store", f"127.0.0.1:{rpc}", "mooncake", iters)
+        out.write_text(json.dumps(rows))
     finally:
         holder.kill()
         master.kill()
@@ -550,6 +613,12 @@ def report(rows: list[Row], extra: dict[str, float], notes: list[str]) -> None:
                         f"{tcpb.gbps / mcb.gbps:.2f}x [>=1.5]")
         if shm and memcpy:
             line.append(f"shm get / memcpy {shm.gbps / memcpy.gbps:.2f}x")
+        for op in (f"batch_put_from x{BATCH}", f"batch_get_into x{BATCH}"):
+            ours_api = find(rows, "ours", "TCP (API)", size, op)
+            their_api = find(rows, "mooncake", "TCP (API)", size, op)
+            if ours_api and their_api:
+                line.append(f"API {op} / Mooncake's {ours_api.gbps / their_api.gbps:.2f}x "
+                            "[>=1.0]")
         if shmb and memcpyb:
             line.append(f"shm get x{BATCH} / memcpy x{BATCH} {shmb.gbps / memcpyb.gbps:.2f}x "
                         "[>=0.8]")
@@ -577,6 +646,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=40, help="calls per size and op (capped by size)")
     p.add_argument("--skip-redis", action="store_true")
     p.add_argument("--skip-mooncake", action="store_true")
+    p.add_argument("--skip-api", action="store_true",
+                   help="skip the Mooncake-API path (ours and the real wheel's)")
     p.add_argument("--mooncake-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mooncake-holder", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -600,6 +671,10 @@ def main() -> None:
     rows = bench_memcpy(args.iters) + bench_tcp_floor(args.iters)
     ours, extra = run_loop(bench_ours(args.iters))
     rows += ours
+    if not args.skip_api:
+        api_rows, api_notes = bench_api(args.iters)
+        rows += api_rows
+        notes += api_notes
     for name, skip, fn in (("Redis", args.skip_redis, bench_redis),
                            ("Mooncake Store", args.skip_mooncake, bench_mooncake)):
         if skip:
