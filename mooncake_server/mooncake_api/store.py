@@ -11,14 +11,20 @@ the caller's thread (the engine checks them on every read).
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import logging
 import threading
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from mooncake_server.mooncake_api.core import ApiCore, MasterRefused
+from mooncake_server.mooncake_api.plumbing import (
+    LoopThread,
+    Pieces,
+    address_of,
+    checksum,
+    count_or_error,
+    first_error,
+)
 from mooncake_server.mooncake_api.settings import (
     IGNORED,
     POSITIONAL,
@@ -27,55 +33,11 @@ from mooncake_server.mooncake_api.settings import (
 )
 from mooncake_server.mooncake_api.surface import BufferHandle, ErrorCode, ReplicateConfig
 from mooncake_server.store_client.client import StoreError
-from mooncake_server.transfer import TransferError, crc32c_combine, crc32c_many
+from mooncake_server.transfer import TransferError
 from mooncake_server.wire.index import StoreDrop
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-Pieces = list[tuple[int, int]]
-
-
-class _LoopThread:
-    """An event loop on a daemon thread; `run` blocks the caller until a coroutine is done."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="mooncake-api",
-                                        daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-
-def _address(value: Any) -> tuple[int, int, Any]:
-    """(address, length, object to keep alive) of a bytes-like value, without copying it
-    where Python allows (bytes, writable buffers); a read-only other buffer is copied once."""
-    if isinstance(value, bytes):
-        return ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value or 0, len(value), value
-    view = memoryview(value).cast("B")
-    if view.readonly:
-        data = view.tobytes()
-        return _address(data)
-    if len(view) == 0:
-        return 0, 0, view
-    return ctypes.addressof(ctypes.c_char.from_buffer(view)), len(view), view
-
-
-def _checksum(pieces: Pieces) -> int:
-    """CRC32C of an object made of `pieces`, in order."""
-    crcs = crc32c_many([a for a, _ in pieces], [n for _, n in pieces])
-    crc = crcs[0]
-    for c, (_, n) in zip(crcs[1:], pieces[1:]):
-        crc = crc32c_combine(crc, c, n)
-    return crc
 
 
 class MooncakeDistributedStore:
@@ -84,7 +46,7 @@ class MooncakeDistributedStore:
     def __init__(self) -> None:
         """Not connected until `setup`."""
         self._core: ApiCore | None = None
-        self._loop: _LoopThread | None = None
+        self._loop: LoopThread | None = None
         self._lock = threading.Lock()
 
     # ---- life ---------------------------------------------------------------------------------
@@ -123,7 +85,7 @@ class MooncakeDistributedStore:
     def _start(self, settings: ClientSettings) -> int:
         self.close()  # a second setup starts over with the new settings, as the real one
         with self._lock:
-            loop = _LoopThread()
+            loop = LoopThread()
             core = ApiCore(settings)
             try:
                 loop.run(core.start())
@@ -206,7 +168,7 @@ class MooncakeDistributedStore:
     def put_batch(self, keys: list[str], values: list[Any],
                   config: ReplicateConfig | None = None) -> int:
         """Store several values; 0, or the first failure's code."""
-        return _first_error(self._put_values(keys, [[v] for v in values], config, False))
+        return first_error(self._put_values(keys, [[v] for v in values], config, False))
 
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
         """Store `value` under `key`, replacing what it held."""
@@ -219,7 +181,7 @@ class MooncakeDistributedStore:
     def upsert_batch(self, keys: list[str], values: list[Any],
                      config: ReplicateConfig | None = None) -> int:
         """upsert of several values; 0, or the first failure's code."""
-        return _first_error(self._put_values(keys, [[v] for v in values], config, True))
+        return first_error(self._put_values(keys, [[v] for v in values], config, True))
 
     def put_from(self, key: str, buffer_ptr: int, size: int,
                  config: ReplicateConfig | None = None) -> int:
@@ -266,7 +228,7 @@ class MooncakeDistributedStore:
         if self._core is None or self._core.staging is None:
             return [ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS] * len(keys)
         try:
-            held = [[_address(v) for v in vs] for vs in values]
+            held = [[address_of(v) for v in vs] for vs in values]
         except TypeError:
             return [ErrorCode.INVALID_PARAMS] * len(keys)
         staging = self._core.staging
@@ -308,7 +270,7 @@ class MooncakeDistributedStore:
                             for k, p in zip(keys, pieces)]
         todo = [i for i, c in enumerate(codes) if c == ErrorCode.OK]
         if todo:
-            sums = [_checksum(pieces[i]) for i in todo]
+            sums = [checksum(pieces[i]) for i in todo]
             got = self._loop.run(self._core.put([keys[i] for i in todo],
                                                 [pieces[i] for i in todo], sums,
                                                 config, replace))
@@ -436,7 +398,7 @@ class MooncakeDistributedStore:
     def remove_all(self, force: bool = False) -> int:
         """Remove every object (leased ones stay unless `force`); how many were removed."""
         codes = self._drop(StoreDrop(all=True, force=force))
-        return _count_or_error(codes)
+        return count_or_error(codes)
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
         """Remove the keys `regex_pattern` matches (re.search); how many were removed."""
@@ -444,21 +406,10 @@ class MooncakeDistributedStore:
             codes = self._drop(StoreDrop(regex=regex_pattern, force=force))
         except ValueError:
             return ErrorCode.INVALID_PARAMS
-        return _count_or_error(codes)
+        return count_or_error(codes)
 
     def _drop(self, body: StoreDrop) -> list[int]:
         if self._core is None or self._loop is None:
             return [ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS]
         return [int(c) for c in self._loop.run(self._core.drop(body))]
 
-
-def _first_error(codes: Sequence[int]) -> int:
-    return next((c for c in codes if c < 0), ErrorCode.OK)
-
-
-def _count_or_error(codes: list[int]) -> int:
-    """How many were removed; a failure of the call itself (RPC) as its code."""
-    if codes and all(c in (ErrorCode.RPC_FAIL, ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS)
-                     for c in codes) and len(codes) == 1:
-        return codes[0]
-    return sum(1 for c in codes if c == 0)
