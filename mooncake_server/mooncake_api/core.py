@@ -27,16 +27,11 @@ from mooncake_server.mooncake_api.settings import ClientSettings
 from mooncake_server.mooncake_api.surface import ErrorCode, ReplicateConfig
 from mooncake_server.store_client.client import Spans, StoreError
 from mooncake_server.store_client.cluster import StoreCluster, StoreUnavailable
+from mooncake_server.store_client.index_link import IndexRefused
 from mooncake_server.transfer import TransferEngine, TransferError
 from mooncake_server.wire.auth import secret_headers
 from mooncake_server.wire.index import StoreCommitted, StoreDrop, StoreLocateReply
-from mooncake_server.wire.routes import (
-    INDEX_COMMITTED,
-    INDEX_DROP,
-    CallError,
-    PeerRefused,
-    call,
-)
+from mooncake_server.wire.routes import INDEX_COMMITTED, INDEX_DROP
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +145,9 @@ class ApiCore:
 
     async def _committed(self, node: str, keys: list[str], sizes: list[int]) -> None:
         try:
-            await call(self._http(), self.settings.master_url, INDEX_COMMITTED,
-                       StoreCommitted(node_id=node, keys=keys, sizes=sizes),
-                       headers=self._headers)
-        except (PeerRefused, CallError) as exc:
+            await self._cluster().index.ask(
+                INDEX_COMMITTED, StoreCommitted(node_id=node, keys=keys, sizes=sizes))
+        except StoreError as exc:
             # The node's own report indexes them a few milliseconds later.
             log.debug("telling the master of %d commits failed: %s", len(keys), exc)
 
@@ -235,13 +229,10 @@ class ApiCore:
     async def drop(self, body: StoreDrop) -> list[int]:
         """Remove keys (named, by regex, or all); per key considered 0 or a negative code."""
         try:
-            reply = await call(self._http(), self.settings.master_url, INDEX_DROP, body,
-                               headers=self._headers)
-        except PeerRefused as exc:
-            if exc.status == 400:
-                raise ValueError(exc.body) from None
-            return [ErrorCode.RPC_FAIL] * max(1, len(body.keys))
-        except CallError:
+            reply = await self._cluster().index.ask(INDEX_DROP, body)
+        except IndexRefused as exc:
+            raise ValueError(exc.detail) from None
+        except StoreError:
             return [ErrorCode.RPC_FAIL] * max(1, len(body.keys))
         cluster = self._cluster()
         by_node: dict[str, list[str]] = {}

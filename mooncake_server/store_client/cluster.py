@@ -15,14 +15,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel
 
 from mooncake_server.store_client.client import Spans, StoreClient, StoreError
+from mooncake_server.store_client.index_link import IndexLink
 from mooncake_server.transfer import TransferEngine
-from mooncake_server.wire.auth import secret_headers
 from mooncake_server.wire.index import (
     StoreLocate,
     StoreLocateReply,
@@ -30,21 +28,11 @@ from mooncake_server.wire.index import (
     StorePlaceReply,
 )
 from mooncake_server.wire.instances import StoreLocation
-from mooncake_server.wire.routes import (
-    INDEX_LOCATE,
-    INDEX_PLACE,
-    INDEX_PREFIX,
-    CallError,
-    InvalidReply,
-    PeerRefused,
-    Route,
-    call,
-)
+from mooncake_server.wire.routes import INDEX_LOCATE, INDEX_PLACE, INDEX_PREFIX
 from mooncake_server.wire.store_ops import StoreKeys
 
 logger = logging.getLogger(__name__)
 
-_Reply = TypeVar("_Reply", bound=BaseModel)
 _SUSPECT_S = 5.0  # how long a node that just failed is tried only as a last resort
 
 
@@ -60,11 +48,11 @@ class StoreCluster:
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Ask the index at `master_url` (the conductor; a callable: the one to ask now, as
         conductors come and go); `engine` and `http` are the caller's."""
-        self._master = master_url if callable(master_url) else (lambda: master_url)
+        master = master_url if callable(master_url) else (lambda: master_url)
+        self.index = IndexLink(master, http, secret)
         self._engine = engine
         self._http = http
         self._secret = secret
-        self._headers = secret_headers(secret)
         self._clients: dict[str, StoreClient] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._suspect: dict[str, float] = {}
@@ -85,14 +73,14 @@ class StoreCluster:
     async def aclose(self) -> None:
         """Close every node client (their control connections)."""
         clients, self._clients = list(self._clients.values()), {}
-        await asyncio.gather(*self._closing, *(c.aclose() for c in clients),
+        await asyncio.gather(*self._closing, *(c.aclose() for c in clients), self.index.aclose(),
                              return_exceptions=True)
 
     async def prefix_hits(self, keys: list[str]) -> int:
         """Leading keys held by some live node (one call to the index)."""
         if not keys:
             return 0
-        reply = await self._ask(INDEX_PREFIX, StoreKeys(keys=keys))
+        reply = await self.index.ask(INDEX_PREFIX, StoreKeys(keys=keys))
         return reply.prefix
 
     async def place(self, keys: list[str], replicas: int | None = None,
@@ -100,7 +88,7 @@ class StoreCluster:
                     skip_existing: bool = False) -> StorePlaceReply:
         """Where new keys go: K target nodes per key (one call to the index); with
         `skip_existing`, keys already held get none (`existing` says which)."""
-        return await self._ask(INDEX_PLACE, StorePlace(keys=keys, replicas=replicas,
+        return await self.index.ask(INDEX_PLACE, StorePlace(keys=keys, replicas=replicas,
                                                        preferred=preferred or [],
                                                        skip_existing=skip_existing))
 
@@ -108,7 +96,7 @@ class StoreCluster:
                      lease: bool = False) -> StoreLocateReply:
         """Where each key's live copies are, and its size (one call to the index); with
         `lease`, keys found are leased at the master (a remove without force is refused)."""
-        return await self._ask(INDEX_LOCATE, StoreLocate(keys=keys, fallback=fallback,
+        return await self.index.ask(INDEX_LOCATE, StoreLocate(keys=keys, fallback=fallback,
                                                          lease=lease))
 
     async def get(self, keys: list[str], addrs: list[int], sizes: list[int], *,
@@ -213,7 +201,7 @@ class StoreCluster:
         """Remove keys from every node that holds them (best effort per node)."""
         if not keys:
             return
-        where = await self._ask(INDEX_LOCATE, StoreLocate(keys=keys))
+        where = await self.index.ask(INDEX_LOCATE, StoreLocate(keys=keys))
         groups: dict[str, list[str]] = {}
         for key, reps in zip(keys, where.replicas):
             for r in reps:
@@ -261,17 +249,3 @@ class StoreCluster:
         except StoreError as exc:
             self._failed(loc.instance_id, exc)
             return [False] * len(idx)
-
-    async def _ask(self, route: Route[Any, _Reply], body: BaseModel) -> _Reply:
-        """One call to the index; StoreError unless it answers (an invalid reply stays a
-        ValueError, as a bug on either side)."""
-        try:
-            return await call(self._http, self._master(), route, body, headers=self._headers)
-        except PeerRefused as exc:
-            raise StoreError(f"store index {route.path} failed: HTTP {exc.status}: "
-                             f"{exc.body}") from exc
-        except InvalidReply:
-            raise
-        except CallError as exc:
-            raise StoreError(f"store index unreachable at {exc.url}: "
-                             f"{exc.__cause__!r}") from exc

@@ -16,6 +16,10 @@ class IndexOp(enum.IntEnum):
     """RPC op codes of the index's binary channel."""
 
     REPORT = 1
+    LOCATE = 2  # the client calls: the same bodies as their HTTP routes (store_client.IndexLink)
+    PLACE = 3
+    COMMITTED = 4
+    DROP = 5
 
 
 TIER_DRAM = "dram"
@@ -115,6 +119,7 @@ class StoreLocateReply(BaseModel):
     nodes: dict[str, StoreLocation]
     replicas: list[list[StoreReplica]]
     sizes: list[int | None] = Field(default_factory=list)
+    channel: str | None = None  # host:port of the index's binary channel: later calls go there
 
 
 class StorePlaceReply(BaseModel):
@@ -124,6 +129,7 @@ class StorePlaceReply(BaseModel):
     nodes: dict[str, StoreLocation]
     targets: list[list[str]]
     existing: list[bool] = Field(default_factory=list)
+    channel: str | None = None  # as StoreLocateReply's
 
 
 class StorePrefixReply(BaseModel):

@@ -30,6 +30,7 @@ import httpx
 from fastapi import APIRouter, Depends, HTTPException
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from pydantic import ValidationError
 
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.master.index import GlobalIndex
@@ -156,7 +157,26 @@ class StoreMaster:
 
     def rpc_handlers(self) -> dict[int, Handler]:
         """The binary channel's ops: JSON payload in, JSON reply out."""
-        return {int(IndexOp.REPORT): json_handler(StoreReport, self.report)}
+        return {
+            int(IndexOp.REPORT): json_handler(StoreReport, self.report),
+            int(IndexOp.LOCATE): json_handler(
+                StoreLocate, lambda b: self.locate(b.keys, b.fallback, b.lease)),
+            int(IndexOp.PLACE): json_handler(
+                StorePlace, lambda b: self.place(b.keys, b.replicas, b.preferred,
+                                                 b.skip_existing)),
+            int(IndexOp.COMMITTED): self._committed_frame,
+            int(IndexOp.DROP): json_handler(StoreDrop, self.drop),
+        }
+
+    def _committed_frame(self, payload: bytes) -> bytes:
+        # The reply is INDEX_COMMITTED's, {"ok": true}, not a model: json_handler does not fit.
+        try:
+            body = StoreCommitted.model_validate_json(payload)
+        except ValidationError as exc:
+            raise ValueError("malformed StoreCommitted: "
+                             f"{exc.errors(include_url=False)[:3]}") from None
+        self.committed(body)
+        return b'{"ok":true}'
 
     def locate(self, keys: list[str], fallback: bool = True,
                lease: bool = False) -> StoreLocateReply:
@@ -180,7 +200,8 @@ class StoreMaster:
             used.update(r.node_id for r in reps)
             replicas.append(reps)
         return StoreLocateReply(nodes={n: alive[n] for n in used}, replicas=replicas,
-                                sizes=[self.index.size_of(k) for k in keys])
+                                sizes=[self.index.size_of(k) for k in keys],
+                                channel=self.channel)
 
     def place(self, keys: list[str], replicas: int | None = None,
               preferred: list[str] | None = None,
@@ -192,7 +213,8 @@ class StoreMaster:
         existing = ([bool(self.index.replicas(k, alive)) for k in keys] if skip_existing
                     else [])
         if not alive:
-            return StorePlaceReply(nodes={}, targets=[[] for _ in keys], existing=existing)
+            return StorePlaceReply(nodes={}, targets=[[] for _ in keys], existing=existing,
+                                   channel=self.channel)
         ring = self.ring(alive)
         want = min(replicas or self.replicas, len(alive))
         first = [n for p in preferred or [] for n, loc in alive.items()
@@ -207,7 +229,7 @@ class StoreMaster:
             targets.append(picked[:want])
         used = {n for t in targets for n in t}
         return StorePlaceReply(nodes={n: alive[n] for n in used}, targets=targets,
-                               existing=existing)
+                               existing=existing, channel=self.channel)
 
     def prefix(self, keys: list[str]) -> StorePrefixReply:
         """Longest prefix cached anywhere, and per live node (with the nodes' URLs)."""
