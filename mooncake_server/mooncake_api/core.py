@@ -132,7 +132,7 @@ class ApiCore:
                                         skip_existing=True)
             stored, holders = await cluster.put_where(
                 keys, [p[0][0] for p in parts], sizes, checksums, place=place,
-                parts=None if single else parts)
+                parts=None if single else parts, pin_ms=config.pin_ms())
         except StoreUnavailable:
             return [ErrorCode.NO_AVAILABLE_HANDLE] * len(keys)
         except (StoreError, TransferError) as exc:

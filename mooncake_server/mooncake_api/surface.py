@@ -25,16 +25,22 @@ class ErrorCode(enum.IntEnum):
 
 
 class SoftPinAction(enum.IntEnum):
-    """What a put does to the object's soft pin (Mooncake: pinned objects are evicted last)."""
+    """What a put does to the object's soft pin (Mooncake 0.3.13's names and values; a soft
+    pinned object is evicted only when nothing unpinned can make room)."""
 
-    NONE = 0
-    PIN = 1
-    UNPIN = 2
+    PRESERVE = 0  # keep the pin the object has (a new object: none)
+    ENABLE = 1
+    DISABLE = 2
+
+
+# mooncake_master's --default_kv_soft_pin_ttl and --max_kv_soft_pin_ttl (ms).
+DEFAULT_SOFT_PIN_TTL_MS = 1_800_000
+MAX_SOFT_PIN_TTL_MS = 86_400_000
 
 
 class ReplicateConfig:
     """Per-put placement: `replica_num` copies, on `preferred_segment(s)` first (a segment is a
-    store node: its id or transfer address, Mooncake's "host:port")."""
+    store node: its id or transfer address, Mooncake's "host:port"), and Mooncake's pins."""
 
     def __init__(self) -> None:
         """Mooncake's defaults: one replica, no preference, no pin."""
@@ -43,17 +49,26 @@ class ReplicateConfig:
         self.preferred_segments: list[str] = []
         self.prefer_alloc_in_same_node = False
         self.with_hard_pin = False
-        self.soft_pin_action = SoftPinAction.NONE
-        self.soft_pin_ttl_ms = 0
+        self.soft_pin_action = SoftPinAction.PRESERVE
+        self.soft_pin_ttl_ms: int | None = None  # None: the master's default (30 min)
 
     @property
     def with_soft_pin(self) -> bool:
-        """Older Mooncake's switch for a soft pin (soft_pin_action PIN)."""
-        return self.soft_pin_action == SoftPinAction.PIN
+        """Older Mooncake's switch for a soft pin (soft_pin_action ENABLE)."""
+        return self.soft_pin_action == SoftPinAction.ENABLE
 
     @with_soft_pin.setter
     def with_soft_pin(self, value: bool) -> None:
-        self.soft_pin_action = SoftPinAction.PIN if value else SoftPinAction.NONE
+        self.soft_pin_action = SoftPinAction.ENABLE if value else SoftPinAction.PRESERVE
+
+    def pin_ms(self) -> int:
+        """The pin a put asks the store node for: -1 hard, a soft pin's TTL in ms, or 0."""
+        if self.with_hard_pin:
+            return -1
+        if self.soft_pin_action != SoftPinAction.ENABLE:
+            return 0
+        ttl = DEFAULT_SOFT_PIN_TTL_MS if self.soft_pin_ttl_ms is None else self.soft_pin_ttl_ms
+        return max(1, min(int(ttl), MAX_SOFT_PIN_TTL_MS))
 
     def preferred(self) -> list[str]:
         """Every preferred segment, in order."""

@@ -109,11 +109,12 @@ class StoreClient:
         return reply.prefix
 
     async def put(self, keys: list[str], addrs: list[int], sizes: list[int],
-                  checksums: list[int], parts: Sequence[Spans] | None = None) -> list[bool]:
+                  checksums: list[int], parts: Sequence[Spans] | None = None,
+                  pin_ms: int = 0) -> list[bool]:
         """Write blocks from local registered memory; per key whether it is now in the store.
 
         `parts`: per key, the (address, length) pieces its bytes are gathered from, in order
-        (`addrs` is then unused). A key that was already present (or is being written by
+        (`addrs` is then unused); `pin_ms`: Mooncake's pin (StorePutStart). A key that was already present (or is being written by
         another writer) counts as stored; a key the store refused for lack of space does not.
         On a transfer failure the reservations are aborted and StoreError is raised.
         """
@@ -121,7 +122,7 @@ class StoreClient:
             raise ValueError("put: keys, addrs, sizes and checksums must have the same length")
         if not keys:
             return []
-        start = await self._put_start(keys, sizes)
+        start = await self._put_start(keys, sizes, pin_ms)
         if len(start.offsets) != len(keys):
             raise StoreError(f"put_start: store answered {len(start.offsets)} offsets for "
                              f"{len(keys)} keys")
@@ -336,14 +337,16 @@ class StoreClient:
         if self._rpc is not None:
             await self._rpc.aclose()
 
-    async def _put_start(self, keys: list[str], sizes: list[int]) -> StorePutStartReply:
+    async def _put_start(self, keys: list[str], sizes: list[int],
+                         pin_ms: int = 0) -> StorePutStartReply:
         """put_start under a fresh writer token; if no answer comes, that token is aborted in
         the background: the request may still reach the store (a link back up delivers it)
         and would hold its space, in state WRITING, until the store's write timeout."""
         writer = uuid.uuid4().hex
         try:
             return await self._call(StoreOp.PUT_START,
-                                    StorePutStart(keys=keys, sizes=sizes, writer=writer),
+                                    StorePutStart(keys=keys, sizes=sizes, writer=writer,
+                                                  pin_ms=pin_ms),
                                     StorePutStartReply)
         except StoreError:
             task = asyncio.create_task(self._abort_writer(keys, writer),

@@ -169,10 +169,11 @@ class StoreCluster:
                         checksums: list[int], *, replicas: int | None = None,
                         preferred: list[str] | None = None,
                         parts: Sequence[Spans] | None = None,
-                        place: StorePlaceReply | None = None,
+                        place: StorePlaceReply | None = None, pin_ms: int = 0,
                         ) -> tuple[list[bool], dict[str, list[int]]]:
         """`put`, also saying which node committed which keys (node id -> key indices);
-        `place`: the index's answer for these keys, if the caller asked already."""
+        `place`: the index's answer for these keys, if the caller asked already; `pin_ms`:
+        Mooncake's pin (StorePutStart)."""
         if not len(keys) == len(addrs) == len(sizes) == len(checksums):
             raise ValueError("put: keys, addrs, sizes and checksums must have the same length")
         if not keys:
@@ -186,7 +187,7 @@ class StoreCluster:
             for node in targets:
                 groups.setdefault(node, []).append(i)
         results = await asyncio.gather(*[
-            self._put_to(place.nodes[node], idx, keys, addrs, sizes, checksums, parts)
+            self._put_to(place.nodes[node], idx, keys, addrs, sizes, checksums, parts, pin_ms)
             for node, idx in groups.items()])
         stored = list(place.existing) or [False] * len(keys)  # a key held already is stored
         holders: dict[str, list[int]] = {}
@@ -240,12 +241,13 @@ class StoreCluster:
 
     async def _put_to(self, loc: StoreLocation, idx: list[int], keys: list[str],
                       addrs: list[int], sizes: list[int], checksums: list[int],
-                      parts: Sequence[Spans] | None = None) -> list[bool]:
+                      parts: Sequence[Spans] | None = None, pin_ms: int = 0) -> list[bool]:
         try:
             return await self.client(loc).put([keys[i] for i in idx], [addrs[i] for i in idx],
                                               [sizes[i] for i in idx],
                                               [checksums[i] for i in idx],
-                                              [parts[i] for i in idx] if parts else None)
+                                              [parts[i] for i in idx] if parts else None,
+                                              pin_ms)
         except StoreError as exc:
             self._failed(loc.instance_id, exc)
             return [False] * len(idx)

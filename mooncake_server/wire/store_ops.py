@@ -38,6 +38,9 @@ class StorePutStart(BaseModel):
     keys: list[str]
     sizes: list[int]
     writer: str | None = None  # the writer's token for put_abort (see StoreKeys)
+    # Mooncake's pins: 0 none, > 0 a soft pin's TTL (evicted last; renewed by reads), -1 hard
+    # (never evicted). roles/store/eviction.py.
+    pin_ms: int = Field(default=0, ge=-1)
 
 
 class StorePutStartReply(BaseModel):

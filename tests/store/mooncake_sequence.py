@@ -56,6 +56,15 @@ def run(module: str, master: str, segment: int) -> list[tuple[str, Any]]:
     zero = api.ReplicateConfig()
     zero.replica_num = 0
     call("replica_num 0", store.put("seq/r0", b"x", zero))
+    pins = api.ReplicateConfig()
+    call("pin defaults", [pins.soft_pin_action.name, pins.soft_pin_ttl_ms, pins.with_hard_pin,
+                          sorted(api.SoftPinAction.__members__)])
+    pins.soft_pin_action = api.SoftPinAction.ENABLE
+    pins.soft_pin_ttl_ms = 60_000
+    call("soft-pinned put", [store.put("seq/soft", b"s", pins), store.get("seq/soft")])
+    pins.with_hard_pin = True
+    call("hard-pinned put", [store.put("seq/hard", b"h", pins), store.get("seq/hard"),
+                             store.remove("seq/hard", force=True)])
     two = api.ReplicateConfig()
     two.replica_num = 2
     call("replica_num 2, one node", [store.put("seq/r2", b"two", two), store.get("seq/r2")])

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from mooncake_rig import StoreOnly, store_only
 
-from mooncake_server.mooncake_api import ReplicateConfig
+from mooncake_server.mooncake_api import ReplicateConfig, SoftPinAction
 from mooncake_server.roles.conductor.master_link import RemoteMaster
 
 MiB = 1 << 20
@@ -280,3 +280,25 @@ def test_a_writer_killed_mid_put_loses_its_reservations(cluster: StoreOnly) -> N
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_pinned_values_outlive_a_flood_that_evicts_unpinned_ones() -> None:
+    with store_only(1, "8MiB") as c:
+        store = c.client()
+        try:
+            soft, hard = ReplicateConfig(), ReplicateConfig()
+            soft.soft_pin_action = SoftPinAction.ENABLE
+            soft.soft_pin_ttl_ms = 600_000
+            hard.with_hard_pin = True
+            kept = {"pin/soft": os.urandom(MiB), "pin/hard": os.urandom(MiB)}
+            assert store.put("pin/soft", kept["pin/soft"], soft) == 0
+            assert store.put("pin/hard", kept["pin/hard"], hard) == 0
+            assert store.put("plain/0", os.urandom(MiB)) == 0
+            for i in range(1, 12):  # 11 MiB more into an 8 MiB pool: eviction runs
+                assert store.put(f"plain/{i}", os.urandom(MiB)) == 0
+            c.wait(lambda: store.is_exist("plain/0") == 0, "the oldest unpinned value evicted")
+            assert {k: store.get(k) for k in kept} == kept
+            node = c.nodes["store-0"]
+            assert c.metric(node, "mooncake_store_evictions_total") >= 4
+        finally:
+            store.close()

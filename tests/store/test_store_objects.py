@@ -276,3 +276,47 @@ def test_a_removed_leased_object_stops_being_served_by_key_at_once() -> None:
     assert "a" not in keyed.served  # a new reader by key misses; the leased reader goes on
     assert lease is not None and table.release(lease)
     assert table.stats().bytes_used == 0
+
+
+def pinned_put(table: ObjectTable, keys: list[str], pin_s: float) -> None:
+    res = table.put_start(keys, [BLOCK] * len(keys), pin_s=pin_s)
+    assert all(off is not None for off in res.offsets)
+    table.put_end(keys, [0] * len(keys))
+
+
+def test_soft_pinned_objects_are_evicted_only_when_nothing_else_makes_room() -> None:
+    table, clock = make(blocks=4)
+    pinned_put(table, ["pin-a", "pin-b"], pin_s=60.0)
+    put(table, ["c", "d"])
+    assert put(table, ["e", "f"]) == [True, True]  # room made from the unpinned ones
+    assert table.exists(["pin-a", "pin-b", "c", "d", "e", "f"])[0] == [
+        True, True, False, False, True, True]
+    clock.now += 30.0
+    table.release(table.get(["pin-a"]).lease_id or "")  # a read renews pin-a's pin
+    clock.now += 40.0  # pin-b's pin (70 s old) has ended, pin-a's (40 s) lasts
+    assert put(table, ["g"]) == [True]
+    assert table.exists(["pin-a", "pin-b", "e"])[0] == [True, False, True]
+    # e, f, g make room for three; for the fourth the pinned one is all that is left to take.
+    assert put(table, ["h", "i", "j", "k"]) == [True] * 4
+    assert table.exists(["pin-a", "e", "f", "g"])[0] == [False] * 4
+
+
+def test_soft_pins_stay_above_the_high_watermark() -> None:
+    table = ObjectTable(BLOCK * 4, high_watermark=0.5, clock=FakeClock())
+    pinned_put(table, ["soft-a", "soft-b", "soft-c"], pin_s=60.0)
+    assert put(table, ["x"]) == [True]  # over the watermark: the unpinned x goes, not the pins
+    assert table.exists(["soft-a", "soft-b", "soft-c", "x"])[0] == [True, True, True, False]
+
+
+def test_hard_pins_are_never_evicted_and_a_put_that_needs_them_is_refused() -> None:
+    table, clock = make(blocks=4)
+    pinned_put(table, ["hard-1", "hard-2"], pin_s=float("inf"))
+    pinned_put(table, ["soft"], pin_s=60.0)
+    put(table, ["plain"])
+    assert put(table, ["x", "y"]) == [True, True]
+    assert table.exists(["hard-1", "hard-2", "soft", "plain"])[0] == [True, True, False, False]
+    table.remove(["x", "y"])
+    pinned_put(table, ["hard-3", "hard-4"], pin_s=float("inf"))
+    clock.now += 86400.0  # a hard pin does not end
+    assert put(table, ["z"]) == [False]
+    assert table.exists(["hard-1", "hard-2", "hard-3", "hard-4"])[0] == [True] * 4

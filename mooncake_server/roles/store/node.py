@@ -92,17 +92,19 @@ class StoreNode:
 
     # ---- writes -------------------------------------------------------------------------------
 
-    def put_start(self, keys: list[str], sizes: list[int],
-                  writer: str | None = None) -> PutStartResult:
-        """Reserve DRAM for new keys; keys held in either tier are skipped (offset None)."""
+    def put_start(self, keys: list[str], sizes: list[int], writer: str | None = None,
+                  pin_s: float = 0.0) -> PutStartResult:
+        """Reserve DRAM for new keys (pinned by `pin_s`, see `EvictionOrder`); keys held in
+        either tier are skipped (offset None)."""
         if len(keys) != len(sizes):
             raise ValueError(f"put_start: {len(keys)} keys but {len(sizes)} sizes")
         ssd = self.ssd
         if ssd is None:
-            return self.table.put_start(keys, sizes, writer)
+            return self.table.put_start(keys, sizes, writer, pin_s)
         on_ssd = [ssd.contains(k) and self.table.lookup(k) is None for k in keys]
         fresh = [i for i, skip in enumerate(on_ssd) if not skip]
-        res = self.table.put_start([keys[i] for i in fresh], [sizes[i] for i in fresh], writer)
+        res = self.table.put_start([keys[i] for i in fresh], [sizes[i] for i in fresh], writer,
+                                   pin_s)
         offsets: list[int | None] = [None] * len(keys)
         for i, off in zip(fresh, res.offsets):
             offsets[i] = off

@@ -5,7 +5,8 @@ An object walks this lifecycle:
             -> put_end  -> READY (visible to exists/get, evictable when unleased)
             -> put_abort / write timeout -> freed
   READY -> get (pinned under a lease, never evicted while pinned) -> release / lease expiry
-        -> evicted (LRU, when space is needed or usage passes the high watermark), taken out by
+        -> evicted (LRU, when space is needed or usage passes the high watermark; soft-pinned
+           objects last and only for space, hard-pinned never: `EvictionOrder`), taken out by
            the owner (`evict_key`, e.g. to demote it to SSD) or removed.
 `on_evict` sees every object leaving the pool unasked (LRU or `evict_key`) while its bytes are
 still in place, so the owner can keep a copy (the SSD tier) before the space is reused.
@@ -27,13 +28,13 @@ import itertools
 import logging
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple, Protocol
 
 from mooncake_server.roles.store.allocator import OffsetAllocator, align_up
+from mooncake_server.roles.store.eviction import EvictionOrder
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class StoreObject:
     removed: bool = False  # removed while busy: freed when the last lease / write ends
     tag: int = -1  # its publication for reads by key (unique per object, unlike the offset)
     writer: str | None = None  # the put_start's writer token (WRITING only matters)
+    pin_s: float = 0.0  # Mooncake's pins: 0 none, a soft pin's TTL, or eviction.HARD_PIN
+    pinned_until: float = 0.0  # a soft pin's end (renewed by reads)
 
 
 @dataclass(slots=True)
@@ -144,9 +147,8 @@ class ObjectTable:
         self._clock = clock
         self._on_evict = on_evict
         self._objects: dict[str, StoreObject] = {}
-        # NOTE: exactly the READY, unleased, not-removed objects, oldest access first.
-        self._lru: OrderedDict[str, StoreObject] = OrderedDict()
-        self._evictable_bytes = 0
+        # NOTE: exactly the READY, unleased, not-removed, not hard-pinned objects.
+        self._order = EvictionOrder(clock)
         self._leases: dict[str, Lease] = {}
         self._lease_deadlines: list[tuple[float, str]] = []
         self._write_deadlines: list[tuple[float, int, StoreObject]] = []
@@ -170,10 +172,11 @@ class ObjectTable:
 
     # ---- writes -----------------------------------------------------------------------------
 
-    def put_start(self, keys: list[str], sizes: list[int],
-                  writer: str | None = None) -> PutStartResult:
+    def put_start(self, keys: list[str], sizes: list[int], writer: str | None = None,
+                  pin_s: float = 0.0) -> PutStartResult:
         """Reserve space for each new key (state WRITING); None for present or refused keys,
-        and for every key of a `writer` that aborted already."""
+        and for every key of a `writer` that aborted already. `pin_s`: the new objects' pin
+        (see `EvictionOrder`)."""
         if len(keys) != len(sizes):
             raise ValueError(f"put_start: {len(keys)} keys but {len(sizes)} sizes")
         if any(s <= 0 for s in sizes):
@@ -189,8 +192,8 @@ class ObjectTable:
             existing = self._objects.get(key)
             if existing is not None:
                 # READY: already present. WRITING: another writer is filling it; do not race it.
-                if key in self._lru:
-                    self._lru.move_to_end(key)
+                if key in self._order:
+                    self._order.touch(key)
                     existing.last_access = now
                 offsets.append(None)
                 continue
@@ -200,7 +203,7 @@ class ObjectTable:
                 offsets.append(None)
                 continue
             obj = StoreObject(key, offset, size, ObjectState.WRITING, last_access=now,
-                              writer=writer)
+                              writer=writer, pin_s=pin_s)
             self._objects[key] = obj
             self._writing += 1
             heapq.heappush(self._write_deadlines, (now + self._write_timeout_s, next(self._seq), obj))
@@ -232,7 +235,7 @@ class ObjectTable:
                 obj.state = ObjectState.READY
                 obj.checksum = checksum
                 obj.last_access = now
-                self._lru_add(obj)
+                self._order.add(obj)
                 self._publish(obj)
                 committed.append(True)
         # Reservations count toward usage but only READY objects can go, so check again here.
@@ -284,7 +287,7 @@ class ObjectTable:
             return GetResult(None, [])
         for obj in found:
             if obj.leases == 0:
-                self._lru_remove(obj)
+                self._order.discard(obj)
             obj.leases += 1
             if touch:
                 obj.last_access = now
@@ -304,7 +307,7 @@ class ObjectTable:
                 if obj.removed:
                     self._drop(obj)
                 else:
-                    self._lru_add(obj)  # re-enters as most recently used
+                    self._order.add(obj)  # re-enters as most recently used
         return True
 
     def exists(self, keys: list[str]) -> tuple[list[bool], int]:
@@ -337,7 +340,7 @@ class ObjectTable:
         """Unleased READY objects not touched since `older_than` (clock time), oldest first."""
         self.absorb_keyed_reads()
         found: list[StoreObject] = []
-        for obj in self._lru.values():  # LRU order: stop at the first recent one
+        for obj in self._order.unpinned():  # LRU order: stop at the first recent one
             if obj.last_access > older_than or len(found) >= limit:
                 break
             found.append(obj)
@@ -345,11 +348,10 @@ class ObjectTable:
 
     def evict_key(self, key: str) -> bool:
         """Take one unleased READY object out of the pool now (on_evict sees it); False if busy."""
-        obj = self._lru.get(key)
+        obj = self._order.unpinned_object(key)
         if obj is None:
             return False
-        self._lru.move_to_end(key, last=False)
-        self._evict_one(counted=False)
+        self._evict(obj, counted=False)
         return True
 
     # ---- removal and housekeeping -----------------------------------------------------------
@@ -367,7 +369,7 @@ class ObjectTable:
                 continue  # put_end / put_abort / the write timeout frees it
             del self._objects[key]
             if obj.leases == 0:
-                self._lru_remove(obj)
+                self._order.discard(obj)
                 self._free(obj)
             elif self._keyed is not None:
                 # Out of the key space now; its last lease frees the bytes (_drop -> _free).
@@ -385,8 +387,7 @@ class ObjectTable:
             obj = self._objects.get(key)
             if obj is not None and obj.state is ObjectState.READY and not obj.removed:
                 obj.last_access = now
-                if key in self._lru:
-                    self._lru.move_to_end(key)
+                self._order.touch(key)
         for tag in self._keyed.take_drained():
             obj = self._draining.pop(tag, None)
             if obj is not None:
@@ -435,23 +436,26 @@ class ObjectTable:
 
     def _place(self, size: int) -> int | None:
         need = align_up(size)
-        pinned = self._alloc.used - self._evictable_bytes
+        pinned = self._alloc.used - self._order.bytes
         if need > self._alloc.capacity - pinned:
             return None  # cannot fit even with every evictable object gone: evict nothing
         while True:
             offset = self._alloc.allocate(size)
-            if offset is not None or not self._lru:
+            victim = None if offset is not None else self._order.next_victim(for_space=True)
+            if victim is None:
                 return offset
-            self._evict_one()
+            self._evict(victim)
 
     def _evict_to_watermark(self) -> None:
-        while self._alloc.used > self._high_bytes and self._lru:
-            self._evict_one()
+        while self._alloc.used > self._high_bytes:
+            victim = self._order.next_victim(for_space=False)
+            if victim is None:
+                return
+            self._evict(victim)
 
-    def _evict_one(self, counted: bool = True) -> None:
-        key, obj = self._lru.popitem(last=False)
-        self._evictable_bytes -= align_up(obj.size)
-        del self._objects[key]
+    def _evict(self, obj: StoreObject, counted: bool = True) -> None:
+        self._order.discard(obj)
+        del self._objects[obj.key]
         if self._on_evict is not None:
             # NOTE: before free(): the callback may still read the object's bytes.
             self._on_evict(obj)
@@ -482,11 +486,3 @@ class ObjectTable:
             self._draining[obj.tag] = obj
             return
         self._alloc.free(obj.offset)
-
-    def _lru_add(self, obj: StoreObject) -> None:
-        self._lru[obj.key] = obj
-        self._evictable_bytes += align_up(obj.size)
-
-    def _lru_remove(self, obj: StoreObject) -> None:
-        if self._lru.pop(obj.key, None) is not None:
-            self._evictable_bytes -= align_up(obj.size)

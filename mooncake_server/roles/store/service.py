@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+from mooncake_server.roles.store.eviction import pin_seconds
 from mooncake_server.roles.store.node import StoreNode
 from mooncake_server.roles.store.objects import GetResult
 from mooncake_server.wire.routes import STORE_ROUTES
@@ -54,7 +55,7 @@ class StoreService:
     def put_start(self, body: StorePutStart) -> StorePutStartReply:
         """Reserve space for new keys."""
         node = self.node()
-        res = node.put_start(body.keys, body.sizes, body.writer)
+        res = node.put_start(body.keys, body.sizes, body.writer, pin_seconds(body.pin_ms))
         peer = current_peer.get()
         if peer is not None and body.writer:
             writers = self._writers.setdefault(peer, {})
