@@ -114,8 +114,9 @@ class StoreClient:
         """Write blocks from local registered memory; per key whether it is now in the store.
 
         `parts`: per key, the (address, length) pieces its bytes are gathered from, in order
-        (`addrs` is then unused); `pin_ms`: Mooncake's pin (StorePutStart). A key that was already present (or is being written by
-        another writer) counts as stored; a key the store refused for lack of space does not.
+        (`addrs` is then unused); `pin_ms`: Mooncake's pin (StorePutStart). A key that was
+        already present (or is being written by another writer) counts as stored; a key the
+        store refused for lack of space does not.
         On a transfer failure the reservations are aborted and StoreError is raised.
         """
         if not len(keys) == len(addrs) == len(sizes) == len(checksums):
