@@ -45,12 +45,12 @@ class StoreOnly:
         self.master = self._proc("master", "master", *extra).start().wait_healthy(60.0)
         return self.master
 
-    def add_node(self, name: str, memory: str = "64MiB") -> RoleProc:
+    def add_node(self, name: str, memory: str = "64MiB", *extra: str) -> RoleProc:
         """Start a store node registered with the master; wait until the master counts it."""
         want = self.stores() + 1
         node = self._proc("store", name, "--master", self.master_addr, "--instance-id", name,
                           "--memory", memory, "--transport", "tcp",
-                          "--heartbeat-interval", "0.2").start().wait_healthy(60.0)
+                          "--heartbeat-interval", "0.2", *extra).start().wait_healthy(60.0)
         self.nodes[name] = node
         self.wait(lambda: self.stores() >= want, f"{name} registered")
         return node
