@@ -81,19 +81,23 @@ class IndexLink:
         if self._channel is not None and self._channel_of != master:
             await self.aclose()
         op = CHANNEL_OPS.get(route.path)
-        if self._channel is not None and op is not None:
+        # NOTE: a local, not self._channel: calls in flight together fail together, and the
+        # first to see it closes the channel under the others.
+        channel = self._channel
+        if channel is not None and op is not None:
             try:
-                raw = await self._channel.call(op, body.model_dump_json().encode())
+                raw = await channel.call(op, body.model_dump_json().encode())
             except RpcError as exc:
                 if exc.status == RpcStatus.BAD_REQUEST:
                     raise IndexRefused(route.path, str(exc).rpartition("): ")[2]) from exc
-                logger.info("index channel %s failed (%s); asking over HTTP",
-                            self._channel.address, exc)
-                await self.aclose()
-                self._down_until = asyncio.get_running_loop().time() + self._retry_s
+                if self._channel is channel:
+                    logger.info("index channel %s failed (%s); asking over HTTP",
+                                channel.address, exc)
+                    await self.aclose()
+                    self._down_until = asyncio.get_running_loop().time() + self._retry_s
             else:
                 self.calls_on_channel += 1
-                return route.parse(raw, f"rpc://{self._channel_of}{route.path}")
+                return route.parse(raw, f"rpc://{channel.address}{route.path}")
         try:
             reply = await call(self._http, master, route, body, headers=self._headers)
         except PeerRefused as exc:

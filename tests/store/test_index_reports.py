@@ -3,6 +3,8 @@ the index's binary channel, and back to HTTP when that channel is gone."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from store_procs import SECRET, index_server
@@ -69,8 +71,13 @@ async def test_a_clients_index_calls_move_to_the_channel_and_survive_its_loss() 
             with pytest.raises(IndexRefused, match="remove_by_regex"):
                 await link.ask(INDEX_DROP, StoreDrop(regex="("))  # the master's own words
 
-            await index.channel.close()  # the master's channel goes away: HTTP carries on
-            dropped = await link.ask(INDEX_DROP, StoreDrop(keys=["a"], force=True))
+            await index.channel.close()  # the master's channel goes away: HTTP carries on,
+            # for every call that was in flight on it too (a conductor's death fails them all
+            # at once)
+            *found, dropped = await asyncio.gather(
+                *(link.ask(INDEX_LOCATE, StoreLocate(keys=["a"])) for _ in range(3)),
+                link.ask(INDEX_DROP, StoreDrop(keys=["a"], force=True)))
+            assert [len(f.replicas) for f in found] == [1, 1, 1]
             assert dropped.codes == [0] and index.master.index.size_of("a") is None
             assert link.calls_on_channel == 3 and link._channel is None
         finally:
