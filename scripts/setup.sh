@@ -130,7 +130,7 @@ if [ "$WITH_TEST" = 1 ] && [ ! -x "$REF_VENV/bin/mooncake_master" ]; then
   fi
 fi
 if [ "$WITH_TEST" = 1 ] && ! scripts/setup_integrations.sh; then
-  say "setting up SGLang's environment (scripts/setup_integrations.sh) failed"
+  say "setting up SGLang's and LMCache's environments (scripts/setup_integrations.sh) failed"
   ok=0
 fi
 if [ "$ok" = 1 ] && [ "$STAMP" != none ]; then
