@@ -34,7 +34,8 @@ class PassSplit(BaseModel):
     """How a prefill instance with a cost model (--tbt-slo) computes a prompt: passes of
     `chunk_tokens`, each taking the modelled time x `ratio`; while a decode on the same cores
     (`shared`) has work, passes of `cut_tokens` taking the modelled time x `cut_ratio`, each
-    after waiting about `wait_s` for the decode's step."""
+    after waiting about `wait_s` for the decode's step. `measured_tokens`: the largest full
+    pass behind `ratio` (its speed horizon); a ratio of short passes says little of long ones."""
 
     chunk_tokens: int = Field(ge=1)
     cut_tokens: int = Field(ge=1)
@@ -42,6 +43,7 @@ class PassSplit(BaseModel):
     cut_ratio: float = Field(gt=0)
     wait_s: float = Field(ge=0)
     shared: bool = False
+    measured_tokens: int = Field(default=0, ge=0)
 
 
 class Heartbeat(BaseModel):

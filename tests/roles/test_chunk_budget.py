@@ -61,6 +61,9 @@ def test_it_reports_the_passes_a_prompt_would_get_now() -> None:
     assert split.ratio == pytest.approx(1.0)  # the full pass ran as modelled
     assert split.cut_ratio == pytest.approx(2.0)
     assert split.wait_s == pytest.approx(0.04)  # their mean; the full pass left out
+    # The full passes behind `ratio` were this long (cut ones do not count): the conductor
+    # predicts a burst's pass past one chunk only from passes of a useful length.
+    assert split.measured_tokens == 1024
     clock.now += 61.0  # nothing recent: the model's own times, and no wait known
     assert chunks.split(shared=False, idle_chunk=2048) == PassSplit(
         chunk_tokens=2048, cut_tokens=140, ratio=1.0, cut_ratio=1.0, wait_s=0.0, shared=False)

@@ -110,3 +110,19 @@ def test_the_ranks_of_a_first_pass_wait_for_one_another() -> None:
     assert q.take(budget_tokens=2048)[0] == [] and q.hold_s == ORDER_WAIT_S
     q.push(member("r2", 2))
     assert ids(q.take(budget_tokens=2048)[0]) == ["r0", "r1", "r2"]
+
+
+def test_a_first_pass_is_taken_whole_past_the_chunk() -> None:
+    """The conductor sized the burst's first pass by its TTFT SLO, past one chunk: the instance
+    takes it whole (the worker runs it chunk by chunk and answers it together); the ranks after
+    it, and a batch of no first pass, stop at the chunk as before."""
+    q = JobQueue(Clock())
+    for rank, n in enumerate((300, 900, 1200, 100)):
+        t = task(f"r{rank}", n, burst_at=1000.0, rank=rank)
+        t.job = t.job.model_copy(update={"burst_pass": 3})
+        q.push(t)
+    assert ids(q.take(budget_tokens=1024)[0]) == ["r0", "r1", "r2"]  # 2,400 tokens
+    assert ids(q.take(budget_tokens=1024)[0]) == ["r3"]
+    for rank, n in enumerate((300, 900)):
+        q.push(task(f"s{rank}", n, burst_at=2000.0, rank=rank))
+    assert ids(q.take(budget_tokens=1024)[0]) == ["s0"]

@@ -157,36 +157,67 @@ async def test_a_bursts_own_jobs_do_not_count_as_cutting_its_passes() -> None:
     assert later["later"].prefill_estimate.compute_s == pytest.approx(5 * 0.16)
 
 
-def shared_prefill(s: KVCacheScheduler, chunk_tokens: int = 2048) -> None:
-    """p1 shares its cores with a decode: 100-token cut passes waiting 50 ms each beside it."""
+def shared_prefill(s: KVCacheScheduler, chunk_tokens: int = 2048,
+                   measured_tokens: int | None = None) -> None:
+    """p1 shares its cores with a decode: 100-token cut passes waiting 50 ms each beside it;
+    its speed measured on full passes of `measured_tokens` (default: a chunk)."""
     from mooncake_server.wire.instances import Heartbeat, PassSplit
 
     s.registry.heartbeat(Heartbeat(instance_id="p1", passes=PassSplit(
         chunk_tokens=chunk_tokens, cut_tokens=100, ratio=1.0, cut_ratio=1.0, wait_s=0.05,
-        shared=True)))
+        shared=True, measured_tokens=chunk_tokens if measured_tokens is None
+        else measured_tokens)))
 
 
 async def test_a_prompt_beyond_the_bursts_first_pass_is_estimated_in_cut_passes() -> None:
-    """The instance batches the burst's prompts into one full pass while they fit its chunk;
-    the next one runs after it, beside that pass's requests decoding, in cut passes that each
-    wait for their step. Estimated at full speed it was accepted and missed its TTFT by 2x;
-    estimated as it runs, it is refused at once."""
+    """The instance batches the burst's prompts into one first pass while they fit two of its
+    chunks (with a TTFT SLO); the next one runs after it, beside that pass's requests decoding,
+    in cut passes that each wait for their step. Estimated at full speed it was accepted and
+    missed its TTFT by 2x; estimated as it runs, it is refused at once."""
     s = scheduler(Clock(), ttft_slo=1.0)
-    shared_prefill(s, chunk_tokens=600)
+    shared_prefill(s, chunk_tokens=300)
     got = await burst(s, {"a": 200, "b": 300, "c": 400})
     a, b = got["a"], got["b"]
     assert isinstance(a, Plan) and isinstance(b, Plan)
     assert a.first_pass and b.first_pass
-    # c: after the 0.51 s pass (one 10 ms fixed cost), 4 cut passes of 10 + 100 ms, each
-    # after a wait for the step of the 2 sequences decoding (30 ms; the 50 ms measured is
-    # longer): 1.15 s > 1 s.
-    assert isinstance(got["c"], SLORejected) and "estimated TTFT 1.15 s" in str(got["c"])
+    # c: after the 0.52 s pass (two forwards: b's tokens cross into a second, 10 ms each), 4
+    # cut passes of 10 + 100 ms, each after a wait for the step of the 2 sequences decoding
+    # (30 ms; the 50 ms measured is longer): 1.16 s > 1 s.
+    assert isinstance(got["c"], SLORejected) and "estimated TTFT 1.16 s" in str(got["c"])
     # Both answer when their shared pass ends; they wait for each other at the instance.
-    assert a.prefill_estimate.ttft_s == b.prefill_estimate.ttft_s == pytest.approx(0.51)
+    assert a.prefill_estimate.ttft_s == b.prefill_estimate.ttft_s == pytest.approx(0.52)
     assert (a.order.rank, a.order.pass_ranks) == (0, 2)  # type: ignore[union-attr]
     assert (b.order.rank, b.order.pass_ranks) == (1, 2)  # type: ignore[union-attr]
     # The pass starts once, for both: by the SLO less the whole pass, from placement.
     assert a.start_by == pytest.approx(b.start_by) and b.start_by is not None
+
+
+async def test_with_a_ttft_slo_a_bursts_first_pass_runs_past_one_chunk() -> None:
+    """Cut off at one chunk, the 400-token prompt would run beside the decoding of the other
+    two and miss 1.1 s; in the same first pass (two forwards back to back, answered together)
+    all three answer at 0.92 s. Past one chunk the pass must end within 0.9 of the SLO: its
+    jobs all miss together if it runs long."""
+    s = scheduler(Clock(), ttft_slo=1.1)
+    shared_prefill(s, chunk_tokens=600)
+    got = await burst(s, {"a": 200, "b": 300, "c": 400})
+    plans = [got[r] for r in ("a", "b", "c")]
+    assert all(isinstance(p, Plan) and p.first_pass for p in plans)
+    # 10 + 200 + 300 ms in the first forward, 10 + 400 ms for c's (it crosses into a second).
+    assert [p.prefill_estimate.ttft_s for p in plans] == pytest.approx([0.92] * 3)
+    assert [(p.order.rank, p.order.pass_ranks) for p in plans] == [(0, 3), (1, 3), (2, 3)]
+    # With a 1 s SLO, 0.92 s is past 0.9 of it: c runs after the pass, in cut passes (late).
+    # So it does when the instance timed no full pass of at least a quarter chunk lately: its
+    # speed on short passes does not predict a long one.
+    for slo, measured in ((1.0, 600), (1.1, 149)):
+        s = scheduler(Clock(), ttft_slo=slo)
+        shared_prefill(s, chunk_tokens=600, measured_tokens=measured)
+        got = await burst(s, {"a": 200, "b": 300, "c": 400})
+        assert isinstance(got["c"], SLORejected) and "estimated TTFT 1.15 s" in str(got["c"])
+    # Without a TTFT SLO nothing bounds the pass's time: it stops at one chunk.
+    s = scheduler(Clock(), ttft_slo=None, tbt_slo=1.0)
+    shared_prefill(s, chunk_tokens=600)
+    got = await burst(s, {"a": 200, "b": 300, "c": 400})
+    assert [p.first_pass for p in got.values()] == [True, True, False]  # type: ignore[union-attr]
 
 
 async def test_ranks_are_counted_per_prefill_instance() -> None:

@@ -17,6 +17,7 @@ calibrated model's time, and each pass first waits for a decode step to hand the
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 
 from mooncake_server.cost_model.calibration import (
@@ -54,6 +55,10 @@ class ChunkBudget:
                                        horizon_s=speed_horizon_s, clock=clock)
 
         self._calibration = speed()
+        # (measured at, tokens) of recent full passes: how long the passes behind the ratio were.
+        self._full_sizes: deque[tuple[float, int]] = deque(maxlen=64)
+        self._speed_horizon_s = speed_horizon_s
+        self._clock = clock
         # Cut passes apart: a few dozen tokens each, they weigh the model's per-pass cost much
         # more than full passes do, and a profile from another machine gets that share wrong
         # (the built-in one on the AMD machine: full passes 2.2x its times, cut ones 1.5x).
@@ -73,6 +78,12 @@ class ChunkBudget:
                 self._waits.add_seconds(wait_s)
             else:
                 self._calibration.add(compute_s, modelled)
+                self._full_sizes.append((self._clock(), tokens))
+
+    def measured_tokens(self) -> int:
+        """The largest full pass timed within the speed horizon (0: none)."""
+        cutoff = self._clock() - self._speed_horizon_s
+        return max((n for at, n in self._full_sizes if at > cutoff), default=0)
 
     def _ratio(self, cut: bool, mean: bool = False) -> float:
         """Measured / modelled time of full (or cut) passes, the slower half's or (`mean`) all
@@ -90,7 +101,8 @@ class ChunkBudget:
                          cut_tokens=min(idle_chunk, self.tokens(decode_step_s)),
                          ratio=self._ratio(cut=False, mean=True),
                          cut_ratio=self._ratio(cut=True, mean=True),
-                         wait_s=self._waits.mean, shared=shared)
+                         wait_s=self._waits.mean, shared=shared,
+                         measured_tokens=self.measured_tokens())
 
     def tokens(self, decode_step_s: float = 0.0) -> int:
         """Prompt tokens the next pass may carry while a decode whose steps take

@@ -9,6 +9,10 @@ held the cores for seconds while the burst's short ones waited behind it (a repl
 requests, estimated at 0.02-0.8 s, answered at 3.7 s). A job that also carries `start_within_s` and has
 waited longer than that is turned away before any work (`LateForSLO`, HTTP 429): started now, it
 would miss the TTFT it was admitted under, and the jobs behind it with it.
+A first pass is taken whole, even past the chunk (the conductor sizes it by the TTFT SLO): the
+worker runs it as forwards of a chunk back to back and answers its jobs when the last one ends,
+as the conductor predicted; answered at the first forward's end, the decode of those requests
+would have cut the rest of the pass into short passes beside it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from mooncake_server.wire.jobs import PrefillJob
 # one never comes); a decode reservation round trip is a few milliseconds.
 ORDER_WAIT_S = 0.2
 _BURSTS_KEPT = 256  # bursts whose arrived ranks are remembered
+
+
+def same_first_pass(a: PrefillJob, b: PrefillJob) -> bool:
+    """Both jobs are ranks of one burst's first pass on this instance."""
+    return (a.burst_at is not None and a.burst_at == b.burst_at
+            and a.burst_rank < a.burst_pass and b.burst_rank < b.burst_pass)
 
 
 class LateForSLO(Exception):
@@ -84,7 +94,8 @@ class JobQueue:
 
     def take(self, budget_tokens: int) -> tuple[list[Waiting], list[Waiting]]:
         """The next batch (the first job in order, and those after it that fit in
-        `budget_tokens` prompt tokens beside it) and the jobs found late on the way. An empty
+        `budget_tokens` prompt tokens beside it, or share its burst's first pass) and the jobs
+        found late on the way. An empty
         batch with `hold_s` > 0: the first job waits for its burst's earlier ranks."""
         self._jobs.sort(key=self._order)
         batch: list[Waiting] = []
@@ -102,7 +113,8 @@ class JobQueue:
                 late.append(self._jobs.pop(0))
                 continue
             n = len(task.job.prompt_token_ids)
-            if batch and tokens + n > budget_tokens:
+            if (batch and tokens + n > budget_tokens
+                    and not same_first_pass(batch[0].job, task.job)):
                 break
             if not batch:
                 self.hold_s = self._waits_for_earlier(task, now)

@@ -14,8 +14,10 @@ chunk of --prefill-chunk tokens and computes them in ONE forward pass (a packed 
 prompts). Served one after another, sixteen 128-token prompts arriving together waited for each
 other's whole job (forward, checksums, store writes, cache report) in turn. A prompt longer than
 a chunk runs alone, chunk by chunk; passes are sized anew each time, so they shrink to
---decode-chunk while a decode on the same cores has work. Each layer's new K/V go to the store as soon as the layer is
-computed (--kv-write layer; `after` writes whole blocks once the forward is done; `auto` picks).
+--decode-chunk while a decode on the same cores has work. A burst's first pass is taken whole
+(the conductor sized it by the TTFT SLO), run as chunks back to back and answered when the last
+ends (job_queue.py). Each layer's new K/V go to the store as soon as the layer is computed
+(--kv-write layer; `after` writes whole blocks once the forward is done; `auto` picks).
 
 A job with `sampling.n` > 1 is prefilled once; each choice's first token is sampled from the
 same logits with its own seeded generator (`other_choices`). A job that scores its prompt
@@ -47,7 +49,7 @@ from mooncake_server.engine.sequence import Sequence
 from mooncake_server.roles.prefill.cache_report import CacheReporter
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
 from mooncake_server.roles.prefill.handoff_hold import HandoffHold
-from mooncake_server.roles.prefill.job_queue import JobQueue, LateForSLO
+from mooncake_server.roles.prefill.job_queue import JobQueue, LateForSLO, same_first_pass
 from mooncake_server.roles.prefill.kv_stream import LayerStream
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 from mooncake_server.store_client.client import StoreError
@@ -221,16 +223,23 @@ class PrefillWorker:
             raise cancelled[0]
         if pending:
             self.metrics.batch_jobs.observe(len(pending))
+        # A burst's first pass is answered whole when its last forward ends (job_queue.py).
+        one_pass = len(pending) > 1 and all(same_first_pass(pending[0].job, t.job)
+                                            for t in pending)
+        held: list[tuple[_Task, list[FirstToken]]] = []
         while pending:
             try:
                 done = await self._step(pending)
             except BaseException as exc:  # noqa: BLE001 - every job of the pass failed with it
-                await self._fail_all(pending, exc)
+                await self._fail_all([*pending, *(t for t, _ in held)], exc)
                 if not isinstance(exc, Exception):
                     raise
                 return
             pending = [t for t in pending if t.seq is not None and t.seq.num_pending > 0]
-            await self._answer(done)
+            held += done
+            if not (one_pass and pending):
+                await self._answer(held)
+                held = []
 
     async def _step(self, pending: list[_Task]) -> list[tuple[_Task, list[FirstToken]]]:
         """One forward pass over the oldest pending tokens, within one chunk; who completed.

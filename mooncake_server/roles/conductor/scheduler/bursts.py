@@ -1,11 +1,13 @@
 """What the scheduler keeps about the burst it is deciding, and how a decided burst is settled.
 
-A prefill instance batches a burst's jobs, in rank order, into one full pass as long as their
-prompts fit its chunk (--prefill-chunk); the first job that does not fit, and every one after it,
-runs after that pass, while the pass's requests decode beside it, so in short cut passes that
-each wait for a decode step. In a replay a 1,518-token prompt estimated as if it ran at full
-speed took 11.6 s behind a burst's first pass (est. under 5 s). So the burst is tracked per
-prefill instance: the prompt tokens its first pass holds so far, and whether that pass is full.
+A prefill instance batches a burst's jobs, in rank order, into one first pass as long as their
+prompts fit its chunk (--prefill-chunk), or with a TTFT SLO `FIRST_PASS_CHUNKS` chunks run back
+to back, every job answered when the last ends (roles/prefill/job_queue.py); the first job that
+does not fit, and every one after it, runs after that pass, while the pass's requests decode
+beside it, so in short cut passes that each wait for a decode step. In a replay a 1,518-token
+prompt estimated as if it ran at full speed took 11.6 s behind a burst's first pass (est. under
+5 s). So the burst is tracked per prefill instance: the prompt tokens its first pass holds so
+far, and whether that pass is full.
 
 Once the burst is decided (`settle`): the ranks are renumbered per prefill instance (the
 instance waits for the ranks before its head, and ranks sent elsewhere never come), each job
@@ -21,6 +23,21 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mooncake_server.api.burst import Order
+
+# NOTE: with a TTFT SLO a burst's first pass may take this many chunks: the requests whose
+# prompts a chunk leaves out would otherwise run in cut passes beside the decoding of the rest
+# (a 734-token prompt behind a 1,692-token first pass was estimated at 7.2 s and refused; in
+# the same first pass, 4.1 s). The SLO bounds the pass's time; this bounds the KV it holds at
+# once on the prefill instance (two 2,048-token chunks of the bundled model: 190 MB in fp32).
+FIRST_PASS_CHUNKS = 2
+# NOTE: past one chunk, a prompt joins the first pass only while the pass's estimated end stays
+# within this share of the TTFT SLO: the pass answers all its jobs when it ends, so an estimate
+# 5% short (4.81 s estimated, 5.03 s measured in a goodput replay) made all eight miss at once.
+FIRST_PASS_SLO_SHARE = 0.9
+# NOTE: ... and only once the instance timed a full pass of at least this share of a chunk
+# recently: measured on 16- and 128-token passes alone (a fixed cost per pass, a few tokens),
+# its speed put a 3,169-token pass at 3.4 s, which took 5.4 s.
+FIRST_PASS_MEASURED = 0.25
 
 if TYPE_CHECKING:
     from mooncake_server.roles.conductor.scheduler.policy import Plan
@@ -39,12 +56,24 @@ class BurstState:
         """Requests of this burst placed on the instance so far."""
         return self.placed.get(instance_id, 0)
 
-    def fits_first_pass(self, instance_id: str, prompt_tokens: int, chunk_tokens: int) -> bool:
-        """Whether a prompt placed now joins the burst's first full pass on the instance."""
+    def fits_first_pass(self, instance_id: str, prompt_tokens: int, cap_tokens: int) -> bool:
+        """Whether a prompt placed now joins the burst's first full pass on the instance (one
+        that holds at most `cap_tokens`)."""
         if instance_id in self.full:
             return False
         held = self.first_pass.get(instance_id, 0)
-        return not held or held + prompt_tokens <= chunk_tokens
+        return not held or held + prompt_tokens <= cap_tokens
+
+    def past_one_chunk(self, instance_id: str, prompt_tokens: int, chunk_tokens: int) -> bool:
+        """Whether the first pass, with this prompt in it, holds more than one chunk."""
+        return self.first_pass.get(instance_id, 0) + prompt_tokens > chunk_tokens
+
+    def shares_forward(self, instance_id: str, prompt_tokens: int, chunk_tokens: int) -> bool:
+        """Whether a prompt joining the first pass adds no forward to it: the pass runs as
+        forwards of `chunk_tokens`, and this prompt's tokens end inside the last one."""
+        held = self.first_pass.get(instance_id, 0)
+        c = max(1, chunk_tokens)
+        return held > 0 and -(-(held + prompt_tokens) // c) == -(-held // c)
 
     def record(self, prefill_id: str, decode_id: str, prompt_tokens: int,
                first_pass: bool) -> None:

@@ -42,7 +42,13 @@ from mooncake_server.api.burst import BURST_WINDOW_S, BurstGate, Order
 from mooncake_server.cost_model.passes import chunk_fitting, pass_budget_s
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.conductor.registry import InstanceRegistry
-from mooncake_server.roles.conductor.scheduler.bursts import BurstState, settle
+from mooncake_server.roles.conductor.scheduler.bursts import (
+    FIRST_PASS_CHUNKS,
+    FIRST_PASS_MEASURED,
+    FIRST_PASS_SLO_SHARE,
+    BurstState,
+    settle,
+)
 from mooncake_server.roles.conductor.scheduler.estimators import (
     Passes,
     PrefillEstimate,
@@ -57,7 +63,7 @@ from mooncake_server.roles.conductor.scheduler.oracle import (
     PrefixOracle,
 )
 from mooncake_server.roles.conductor.scheduler.outcomes import RequestOutcomes
-from mooncake_server.wire.instances import Heartbeat, InstanceInfo
+from mooncake_server.wire.instances import Heartbeat, InstanceInfo, PassSplit
 from mooncake_server.wire.jobs import Reuse
 
 log = logging.getLogger(__name__)
@@ -280,7 +286,8 @@ class KVCacheScheduler:
             return Passes(split.chunk_tokens, split.ratio), False
         if self._queued_before_burst(instance_id, beat, busy_step):
             step = busy_step
-        elif not self._burst.fits_first_pass(instance_id, prompt_tokens, split.chunk_tokens):
+        elif not self._burst.fits_first_pass(instance_id, prompt_tokens,
+                                             self._first_pass_cap(split)):
             step = max(busy_step, burst_step)
         else:
             return Passes(split.chunk_tokens, split.ratio), True
@@ -289,6 +296,15 @@ class KVCacheScheduler:
             chunk = chunk_fitting(self.model, split.cut_ratio,
                                   pass_budget_s(self.tbt_slo_s, step), split.cut_tokens)
         return Passes(chunk, split.cut_ratio, max(split.wait_s, step)), False
+
+    def _first_pass_cap(self, split: PassSplit) -> int:
+        """Prompt tokens a burst's first pass may hold: more than a chunk only with a TTFT SLO,
+        which then bounds how long the pass may run, and once the instance has timed passes
+        long enough to predict it (bursts.FIRST_PASS_CHUNKS, FIRST_PASS_MEASURED)."""
+        chunk = split.chunk_tokens
+        if self.ttft_slo_s is None or split.measured_tokens < FIRST_PASS_MEASURED * chunk:
+            return chunk
+        return chunk * FIRST_PASS_CHUNKS
 
     def _queued_before_burst(self, instance_id: str, beat: Heartbeat | None,
                              busy_step: float) -> bool:
@@ -309,12 +325,20 @@ class KVCacheScheduler:
             remote = 0  # an instance reuses only what it holds itself
         beat = self.registry.load(info.instance_id)
         iid = info.instance_id
-        passes, first = self._passes(iid, beat, busy_step, burst_step, prompt_tokens)
-        est = estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
-                               remote_tokens=remote,
-                               queue_s=self.tracker.prefill_queue_s(iid, beat),
-                               calibration=self.tracker.calibration(iid), passes=passes,
-                               joins_pass=first and self._burst.first_pass.get(iid, 0) > 0)
+        for _ in range(2):
+            passes, first = self._passes(iid, beat, busy_step, burst_step, prompt_tokens)
+            chunk = passes.chunk_tokens if passes is not None else 0
+            est = estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
+                                   remote_tokens=remote,
+                                   queue_s=self.tracker.prefill_queue_s(iid, beat),
+                                   calibration=self.tracker.calibration(iid), passes=passes,
+                                   joins_pass=first and self._burst.shares_forward(
+                                       iid, prompt_tokens, chunk))
+            if not (first and self.ttft_slo_s is not None
+                    and self._burst.past_one_chunk(iid, prompt_tokens, chunk)
+                    and est.ttft_s > FIRST_PASS_SLO_SHARE * self.ttft_slo_s):
+                break
+            self._burst.full.add(iid)  # this and every costlier prompt: after the pass
         return est._replace(first_pass=first)
 
     def _decode_choice(self, info: InstanceInfo, request: GenerateRequest) -> _DecodeChoice:
