@@ -26,7 +26,8 @@ from mooncake_server.instance.engine_role import instance_id, start_engine
 from mooncake_server.roles.prefill.cache_report import CacheReporter
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
 from mooncake_server.roles.prefill.job_queue import LateForSLO
-from mooncake_server.roles.prefill.worker import PrefillMetrics, PrefillWorker
+from mooncake_server.roles.prefill.metrics import PrefillMetrics
+from mooncake_server.roles.prefill.worker import PrefillWorker
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.wire.auth import require_secret
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo

@@ -6,9 +6,10 @@ burst of its own, decided when it arrived. Rank r of a burst waits until ranks 0
 (at most `ORDER_WAIT_S`), and the ranks that share the burst's first pass (`burst_pass`) wait for
 one another the same way: the jobs reach the instance in any order, and a long one started first
 held the cores for seconds while the burst's short ones waited behind it (a replay's cheapest
-requests, estimated at 0.02-0.8 s, answered at 3.7 s). A job that also carries `start_within_s` and has
-waited longer than that is turned away before any work (`LateForSLO`, HTTP 429): started now, it
-would miss the TTFT it was admitted under, and the jobs behind it with it.
+requests, estimated at 0.02-0.8 s, answered at 3.7 s). A job that also carries
+`start_within_s` and has waited longer than that is turned away before any work (`LateForSLO`,
+HTTP 429): started now, it would miss the TTFT it was admitted under, and the jobs behind it
+with it.
 A first pass is taken whole, even past the chunk (the conductor sizes it by the TTFT SLO): the
 worker runs it as forwards of a chunk back to back and answers its jobs when the last one ends,
 as the conductor predicted; answered at the first forward's end, the decode of those requests

@@ -37,7 +37,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.engine.core_budget import CoreBudget, FixedThreads, machine_cores
@@ -51,6 +50,7 @@ from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
 from mooncake_server.roles.prefill.handoff_hold import HandoffHold
 from mooncake_server.roles.prefill.job_queue import JobQueue, LateForSLO, same_first_pass
 from mooncake_server.roles.prefill.kv_stream import LayerStream
+from mooncake_server.roles.prefill.metrics import PrefillMetrics
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.store_client.kv_link import KVStoreLink
@@ -73,35 +73,6 @@ def decode_beside(cores: CoreBudget | FixedThreads, answered_at: float, now: flo
     if cores.others_active():
         return True
     return now - answered_at < HANDOFF_GRACE_S and bool(cores.others_present())
-
-
-class PrefillMetrics:
-    """Prometheus series of the prefill role."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.jobs = Counter("mooncake_prefill_jobs", "Prefill jobs by outcome", ["outcome"],
-                            registry=registry)
-        self.computed_tokens = Counter("mooncake_prefill_computed_tokens",
-                                       "Prompt tokens computed", registry=registry)
-        self.cached_tokens = Counter("mooncake_prefill_cached_tokens",
-                                     "Prompt tokens reused (local cache or store)",
-                                     registry=registry)
-        self.local_tokens = Counter("mooncake_prefill_local_cache_tokens",
-                                    "Prompt tokens reused from the instance's own prefix cache",
-                                    registry=registry)
-        self.cache_blocks = Gauge("mooncake_prefill_local_cache_blocks",
-                                  "Full blocks held by the local prefix cache", registry=registry)
-        self.seconds = Histogram("mooncake_prefill_seconds", "Prefill job wall time",
-                                 registry=registry)
-        self.batch_jobs = Histogram("mooncake_prefill_batch_jobs", "Jobs per forward batch",
-                                    registry=registry, buckets=(1, 2, 4, 8, 16, 32))
-        self.handoff_hold = Counter(
-            "mooncake_prefill_handoff_hold_seconds",
-            "Seconds passes waited for a decode on the same cores to start jobs handed to it",
-            registry=registry)
-        self.store_errors = Counter("mooncake_prefill_store_errors",
-                                    "KV loads / saves the store could not serve (recomputed)",
-                                    ["op"], registry=registry)
 
 
 @dataclass
