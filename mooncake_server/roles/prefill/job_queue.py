@@ -96,8 +96,8 @@ class JobQueue:
     def take(self, budget_tokens: int) -> tuple[list[Waiting], list[Waiting]]:
         """The next batch (the first job in order, and those after it that fit in
         `budget_tokens` prompt tokens beside it, or share its burst's first pass) and the jobs
-        found late on the way. An empty
-        batch with `hold_s` > 0: the first job waits for its burst's earlier ranks."""
+        found late on the way. An empty batch with `hold_s` > 0: the first job waits for its
+        burst's earlier ranks."""
         self._jobs.sort(key=self._order)
         batch: list[Waiting] = []
         late: list[Waiting] = []
