@@ -206,9 +206,9 @@ async def test_with_a_ttft_slo_a_bursts_first_pass_runs_past_one_chunk() -> None
     assert [p.prefill_estimate.ttft_s for p in plans] == pytest.approx([0.92] * 3)
     assert [(p.order.rank, p.order.pass_ranks) for p in plans] == [(0, 3), (1, 3), (2, 3)]
     # With a 1 s SLO, 0.92 s is past 0.9 of it: c runs after the pass, in cut passes (late).
-    # So it does when the instance timed no full pass of at least a quarter chunk lately: its
+    # So it does when the instance timed no full pass of at least 3/4 of a chunk lately: its
     # speed on short passes does not predict a long one.
-    for slo, measured in ((1.0, 600), (1.1, 149)):
+    for slo, measured in ((1.0, 600), (1.1, 449)):
         s = scheduler(Clock(), ttft_slo=slo)
         shared_prefill(s, chunk_tokens=600, measured_tokens=measured)
         got = await burst(s, {"a": 200, "b": 300, "c": 400})
