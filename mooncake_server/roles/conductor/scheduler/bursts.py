@@ -27,7 +27,7 @@ from mooncake_server.api.burst import Order
 # NOTE: with a TTFT SLO a burst's first pass may take this many chunks: the requests whose
 # prompts a chunk leaves out would otherwise run in cut passes beside the decoding of the rest
 # (a 734-token prompt behind a 1,692-token first pass was estimated at 7.2 s and refused; in
-# the same first pass, 4.1 s). The SLO bounds the pass's time; this bounds the KV it holds at
+# the same first pass, 3.4 s). The SLO bounds the pass's time; this bounds the KV it holds at
 # once on the prefill instance (two 2,048-token chunks of the bundled model: 190 MB in fp32).
 FIRST_PASS_CHUNKS = 2
 # NOTE: past one chunk, a prompt joins the first pass only while the pass's estimated end stays
