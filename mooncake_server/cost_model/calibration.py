@@ -120,6 +120,17 @@ class _RecentCalibration:
             return self.empty
         return sum(r * m for _, r, m in self._recent.samples) / weight
 
+    def weighted_mean_with(self, measured_s: float, modelled_s: float) -> float:
+        """`weighted_mean` with one more measurement that never ages (a start-up seed)."""
+        self._recent.expire()
+        samples = self._recent.samples
+        weight = modelled_s + sum(m for _, _, m in samples)
+        if weight <= 0:
+            return self.empty
+        return (self._recent.clamp(measured_s / modelled_s) * modelled_s
+                + sum(r * m for _, r, m in samples)) / weight if modelled_s > 0 else \
+            self.weighted_mean
+
     @property
     def recent(self) -> int:
         """How many measurements are recent (0: `value` is the model's own)."""

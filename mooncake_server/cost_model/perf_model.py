@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,15 @@ class PerfModel:
             return 0.0
         n, p = float(new_tokens), float(cached_tokens)
         return self.prefill_a * n * n + self.prefill_b * n + self.prefill_c + self.prefill_e * n * p
+
+    def pass_s(self, items: Sequence[tuple[int, int]]) -> float:
+        """Seconds of one forward pass over several prompts' chunks, each `(new, cached)`
+        tokens: the fixed cost once, and each prompt its own tokens and its own attention
+        (a packed pass attends within each prompt, so its n² terms add per prompt)."""
+        parts = [(n, p) for n, p in items if n > 0]
+        if not parts:
+            return 0.0
+        return self.prefill_c + sum(self.prefill_s(n, p) - self.prefill_c for n, p in parts)
 
     def chunked_prefill_s(self, new_tokens: int, cached_tokens: int,
                           chunk_tokens: int) -> tuple[float, int]:

@@ -112,13 +112,25 @@ class ModelRunner:
     def quiet_step_s(self, passes: int = 5) -> float:
         """The fastest of `passes` one-token passes of a scratch sequence (a decode step at
         batch 1 and a context of a few tokens), blocking; its blocks are freed after."""
-        seq = Sequence("quiet-step", [0] * passes, passes, SamplingParams(max_tokens=1), passes)
-        seq.block_ids = self.kv.allocate(self.layout.blocks_for(passes))
+        return self._scratch_passes_s(1, passes)
+
+    def prompt_pass_s(self, tokens: int, passes: int = 2) -> float:
+        """The fastest of `passes` passes of a `tokens`-token scratch prompt with no cached
+        context, blocking; its blocks are freed after."""
+        return self._scratch_passes_s(tokens, passes, again=True)
+
+    def _scratch_passes_s(self, tokens: int, passes: int, again: bool = False) -> float:
+        """The fastest compute time of `passes` passes of `tokens` new tokens each: one after
+        the other in one scratch sequence, or (`again`) the same tokens each time."""
+        total = tokens if again else tokens * passes
+        seq = Sequence("scratch-pass", [0] * total, total, SamplingParams(max_tokens=1), total)
+        seq.block_ids = self.kv.allocate(self.layout.blocks_for(total))
         best = math.inf
         try:
             for _ in range(passes):
-                self.step([StepItem(seq, 1)])
-                seq.num_computed += 1
+                self.step([StepItem(seq, tokens)])
+                if not again:
+                    seq.num_computed += tokens
                 best = min(best, self.last_compute_s)
         finally:
             self.kv.free(seq.block_ids)

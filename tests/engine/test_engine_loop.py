@@ -121,3 +121,7 @@ def test_the_quiet_step_is_timed_on_a_scratch_sequence_that_gives_its_blocks_bac
     seconds = runner.quiet_step_s(passes=5)
     assert 0.0 < seconds <= runner.last_compute_s  # the fastest pass, the last one among them
     assert runner.kv.num_free == 8
+    # A prompt pass (the prefill's start-up seed) likewise: the same 12 tokens twice.
+    seconds = runner.prompt_pass_s(12, passes=2)
+    assert 0.0 < seconds <= runner.last_compute_s
+    assert runner.kv.num_free == 8

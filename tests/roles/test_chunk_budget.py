@@ -35,10 +35,42 @@ def test_a_pass_gets_what_the_decode_step_leaves_of_the_gap_by_its_measured_spee
     # A heavy batch's step leaves less than the least pass: the pass keeps 0.2 of the SLO.
     assert chunks.tokens(decode_step_s=0.14) == 30
     for _ in range(30):  # this machine runs passes twice as slow as the model
-        chunks.observe(tokens=64, cached_tokens=0, compute_s=2 * MODEL.prefill_s(64))
+        chunks.observe([(64, 0)], compute_s=2 * MODEL.prefill_s(64))
     assert chunks.tokens(decode_step_s=0.05) == 40  # 2 x (10 + 40) ms = 100 ms
     clock.now += 61.0  # no pass for the horizon: the model's own times again
     assert chunks.tokens(decode_step_s=0.05) == 90
+
+
+def test_a_packed_pass_is_timed_against_its_prompts_side_by_side() -> None:
+    """The conductor estimates a burst's pass prompt by prompt; the speed reported must be
+    measured against the same sum, or it reads fast by the attention the prompts never do."""
+    model = PerfModel(prefill_a=1e-6, prefill_b=1e-3, prefill_c=0.01, prefill_e=0.0)
+    chunks = ChunkBudget(256, model, tbt_slo_s=0.2, clock=Clock())
+    items = [(500, 0), (500, 0), (24, 0)]
+    chunks.observe(items, 1.5 * (0.01 + 2 * (0.25 + 0.5) + 0.024 + 0.000576))
+    split = chunks.split(shared=False, idle_chunk=2048)
+    assert split is not None and split.ratio == pytest.approx(1.5)
+    assert split.measured_tokens == 1024
+
+
+def test_a_full_pass_timed_at_start_up_speaks_for_the_machine_until_long_passes_do() -> None:
+    """Short warm-up passes weigh the per-pass cost more than a burst's long pass does: the
+    seed stands beside them (weighed by its modelled time) and never ages."""
+    clock = Clock()
+    chunks = ChunkBudget(256, MODEL, tbt_slo_s=0.2, clock=clock)
+    chunks.seed(500, 1.5 * MODEL.prefill_s(500))
+    split = chunks.split(shared=False, idle_chunk=2048)
+    assert split is not None and split.ratio == pytest.approx(1.5) == split.cut_ratio
+    assert split.measured_tokens == 0  # a seed is no burst-sized pass
+    chunks.observe([(16, 0)], MODEL.prefill_s(16))  # a warm-up pass at the model's speed
+    ratio = chunks.split(shared=False, idle_chunk=2048).ratio
+    assert ratio == pytest.approx((1.5 * 0.51 + 1.0 * 0.026) / (0.51 + 0.026))
+    for _ in range(20):  # long passes, recent: they outweigh the seed
+        chunks.observe([(1000, 0)], 1.2 * MODEL.prefill_s(1000))
+    assert chunks.split(shared=False, idle_chunk=2048).ratio == pytest.approx(1.2, abs=0.02)
+    clock.now += 61.0  # nothing recent: the seed again, not the bare model
+    assert chunks.split(shared=False, idle_chunk=2048).ratio == pytest.approx(1.5)
+    assert chunks.tokens(decode_step_s=0.05) == 56  # 1.5 x (10 + 56) ms = 99 ms of 100
 
 
 def test_a_slow_machine_still_gets_the_smallest_useful_chunk() -> None:
@@ -53,8 +85,8 @@ def test_it_reports_the_passes_a_prompt_would_get_now() -> None:
     clock = Clock()
     chunks = ChunkBudget(256, MODEL, tbt_slo_s=0.2, clock=clock)
     for wait in (0.01, 0.03, 0.05, 0.07):  # cut passes beside a decode wait for its steps
-        chunks.observe(64, 0, 2 * MODEL.prefill_s(64), wait_s=wait, beside_decode=True)
-    chunks.observe(1024, 0, MODEL.prefill_s(1024), wait_s=0.0, beside_decode=False)
+        chunks.observe([(64, 0)], 2 * MODEL.prefill_s(64), wait_s=wait, beside_decode=True)
+    chunks.observe([(1024, 0)], MODEL.prefill_s(1024), wait_s=0.0, beside_decode=False)
     split = chunks.split(shared=True, idle_chunk=2048)
     assert split is not None and split.shared
     assert split.chunk_tokens == 2048 and split.cut_tokens == chunks.tokens() < 75
@@ -76,7 +108,7 @@ def test_ttft_is_estimated_from_mean_speeds_and_a_pass_sized_by_the_slower_half(
     fit the TBT budget, so its size takes the slower half's."""
     chunks = ChunkBudget(256, MODEL, tbt_slo_s=0.2, clock=Clock())
     for ratio in (1.0, 1.0, 1.0, 3.0):  # one cut pass in four 3x slow (a neighbour woke up)
-        chunks.observe(40, 0, ratio * MODEL.prefill_s(40), beside_decode=True)
+        chunks.observe([(40, 0)], ratio * MODEL.prefill_s(40), beside_decode=True)
     split = chunks.split(shared=True, idle_chunk=2048)
     assert split is not None and split.cut_ratio == pytest.approx(1.5)  # (1 + 1 + 1 + 3) / 4
     # sized at 2x (the slower half): 2 x (10 + 40) ms = 100 ms beside a 50 ms step

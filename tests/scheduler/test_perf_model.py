@@ -32,6 +32,16 @@ def test_a_chunked_prefill_costs_its_passes(new: int, cached: int, chunk: int) -
         assert seconds > m.prefill_s(new, cached)
 
 
+def test_a_packed_pass_pays_its_fixed_cost_once_and_each_prompts_attention_alone() -> None:
+    m = PerfModel()
+    alone = m.prefill_s(500) + m.prefill_s(300, 1000)
+    assert m.pass_s([(500, 0), (300, 1000), (0, 40)]) == pytest.approx(alone - m.prefill_c)
+    # Less than one prompt of all their tokens: the prompts do not attend each other.
+    assert m.pass_s([(500, 0), (500, 0)]) < m.prefill_s(1000)
+    assert m.pass_s([(700, 16)]) == pytest.approx(m.prefill_s(700, 16))
+    assert m.pass_s([]) == m.pass_s([(0, 10)]) == 0.0
+
+
 def test_profile_file_round_trip(tmp_path: Path) -> None:
     m = PerfModel(prefill_a=1e-7, prefill_b=2e-3, decode_d1=4e-3, model="tiny", block_tokens=32)
     path = tmp_path / "p.json"

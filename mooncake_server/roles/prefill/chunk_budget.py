@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from mooncake_server.cost_model.calibration import (
     DEFAULT_HORIZON_S,
@@ -63,22 +63,44 @@ class ChunkBudget:
         # more than full passes do, and a profile from another machine gets that share wrong
         # (the built-in one on the AMD machine: full passes 2.2x its times, cut ones 1.5x).
         self._cut = speed()
+        # (measured, modelled) seconds of a full pass timed at start-up (`seed`): what the
+        # speed is read from while no pass is recent, and a prior that never ages beside them.
+        self._seed: tuple[float, float] | None = None
         # A prompt's TTFT sums the waits of all its passes, so their mean matters, not one
         # pass's worst. They follow the decode's load: the short horizon.
         self._waits = TailSeconds(horizon_s=horizon_s, clock=clock)
 
-    def observe(self, tokens: int, cached_tokens: int, compute_s: float, wait_s: float = 0.0,
+    def observe(self, items: Sequence[tuple[int, int]], compute_s: float, wait_s: float = 0.0,
                 beside_decode: bool = False) -> None:
-        """A pass computed `tokens` prompt tokens after `cached_tokens` in `compute_s` seconds,
-        having waited `wait_s` for the cores (`beside_decode`: a decode had work meanwhile)."""
+        """A pass computed prompts' chunks of `(new, cached)` tokens in `compute_s` seconds,
+        having waited `wait_s` for the cores (`beside_decode`: a decode had work meanwhile).
+
+        Timed against the model's time of the same prompts side by side (`PerfModel.pass_s`),
+        as the conductor estimates them: against one prompt of all the pass's tokens, a burst's
+        pass was charged attention over 1,692 tokens where its longest prompt had 583, and
+        the speed read 10% fast (its next pass: estimated 4.01 s, measured 5.15 s).
+        """
+        tokens = sum(n for n, _ in items)
         if self.model is not None and tokens > 0:
-            modelled = self.model.prefill_s(tokens, cached_tokens)
+            modelled = self.model.pass_s(items)
             if beside_decode:
                 self._cut.add(compute_s, modelled)
                 self._waits.add_seconds(wait_s)
             else:
                 self._calibration.add(compute_s, modelled)
                 self._full_sizes.append((self._clock(), tokens))
+
+    def seed(self, tokens: int, seconds: float) -> None:
+        """A full pass of `tokens` prompt tokens took `seconds` at start-up.
+
+        Without it the first prompts' speed is read from whatever ran first: a warm-up's 16-
+        and 128-token passes read this machine at 1.1x the built-in model where a burst's
+        1,690-token pass ran at 1.4x (goodput replay, x4: estimated 1.88 s, measured 2.55 s).
+        The per-pass cost is a larger share of a short pass, so its ratio says little of a
+        long one's.
+        """
+        if self.model is not None and tokens > 0 and seconds > 0:
+            self._seed = (seconds, self.model.prefill_s(tokens))
 
     def measured_tokens(self) -> int:
         """The largest full pass timed within the speed horizon (0: none)."""
@@ -90,6 +112,11 @@ class ChunkBudget:
         of them; the other kind's if none is recent."""
         first, other = (self._cut, self._calibration) if cut else (self._calibration, self._cut)
         chosen = first if first.recent or not other.recent else other
+        if self._seed is not None:
+            if not chosen.recent:
+                return self._calibration.weighted_mean_with(*self._seed)
+            if mean and chosen is self._calibration:
+                return chosen.weighted_mean_with(*self._seed)
         return chosen.weighted_mean if mean else chosen.value
 
     def split(self, shared: bool, idle_chunk: int, decode_step_s: float = 0.0) -> PassSplit | None:

@@ -242,9 +242,8 @@ class PrefillWorker:
         logits = await asyncio.get_running_loop().run_in_executor(
             self.executor, self.runner.step, [it for _, it in items],
             on_layer if streams else None)
-        self.chunks.observe(sum(it.num_new for _, it in items),
-                            sum(it.seq.num_computed for _, it in items), self.runner.last_compute_s,
-                            self.runner.last_wait_s, beside_decode)
+        self.chunks.observe([(it.num_new, it.seq.num_computed) for _, it in items],
+                            self.runner.last_compute_s, self.runner.last_wait_s, beside_decode)
         for task, _ in items:
             task.passes += 1
             task.compute_s += self.runner.last_compute_s
