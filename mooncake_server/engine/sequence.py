@@ -91,6 +91,12 @@ class Sequence:
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def decoding(self) -> bool:
+        """Its prompt is computed and its next pass computes just its newest token. A
+        one-token prompt not yet computed is not decoding, though it too has one token pending."""
+        return self.num_pending == 1 and self.num_computed >= self.prompt_len
+
+    @property
     def num_pending(self) -> int:
         """Tokens whose KV still has to be computed."""
         return len(self.token_ids) - self.num_computed

@@ -131,8 +131,8 @@ class ColocatedAdmission:
         1.25 s and its rows' gaps at 48 ms.
         """
         loop = self.loop
-        rows = [s for s in loop.running if s.num_pending == 1]
-        ahead = [s for s in loop.running if s.num_pending > 1] + list(loop.waiting)
+        rows = [s for s in loop.running if s.decoding]
+        ahead = [s for s in loop.running if not s.decoding] + list(loop.waiting)
         context = sum(s.num_computed + 1 for s in rows)
         before = sum(s.num_pending for s in ahead)
         full = 0 if rows else min(before + prompt_tokens, loop.prefill_chunk_tokens)

@@ -82,7 +82,7 @@ class JobQueue:
         job = task.job
         if job.burst_at is None:
             return 0.0
-        needed = job.burst_pass if job.burst_rank < job.burst_pass else job.burst_rank
+        needed = max(job.burst_rank, job.burst_pass)
         arrived = self._arrived.get(job.burst_at, set())
         if all(r in arrived for r in range(needed)):
             return 0.0
