@@ -25,6 +25,17 @@ MIN_CHUNK = 16
 # changes slowly, and prompts may come tens of seconds apart; forgotten after 10 s, most
 # prompts met a cut pass speed never measured.
 SPEED_HORIZON_S = 60.0
+# NOTE: the full prompt pass an engine times at start-up, with SLO flags: long enough that the
+# per-pass cost weighs on it about as on a burst's passes (1.44x the built-in model at 512
+# tokens, 1.37x on a 1,690-token pass of six prompts, AMD EPYC), short enough to add under a
+# second to start-up.
+SEED_PASS_TOKENS = 512
+
+
+def seed_pass_tokens(chunk_tokens: int, max_model_len: int, kv_tokens: int) -> int:
+    """The start-up pass's prompt tokens on an engine with these limits (at most
+    `SEED_PASS_TOKENS`, and at most half its context and its KV pool)."""
+    return max(1, min(SEED_PASS_TOKENS, chunk_tokens, max_model_len // 2, kv_tokens // 2))
 
 
 def pass_budget_s(tbt_slo_s: float, decode_step_s: float) -> float:

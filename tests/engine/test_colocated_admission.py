@@ -121,6 +121,22 @@ def test_a_cold_first_pass_does_not_make_an_idle_engine_refuse(tiny_model_pair) 
     assert ttft < 0.33 * MODEL.prefill_s(128) * 1.01  # the prefill ratio: decode's, until 3
 
 
+def test_a_prompt_pass_timed_at_start_is_the_prompt_speed_beside_recent_passes(
+        tiny_model_pair) -> None:
+    """Steps ran at a third of the model, prompts at 1.5x: the start-up prompt pass says so
+    before any prompt ran (the decode's ratio read the first burst at a fifth of its time),
+    and stays a prior, weighed by its modelled time, beside the passes that follow."""
+    _, paged = tiny_model_pair
+    _, _, admission = engine(paged, tbt_slo=0.2)
+    admission.seed_quiet_step(1, 5, 0.33 * MODEL.decode_step_s(1, 5))
+    admission.seed_prompt_pass(500, 1.5 * MODEL.prefill_s(500))
+    assert admission.prefill_ratio == pytest.approx(1.5)
+    ttft, _, _ = admission.estimate(1000)
+    assert ttft == pytest.approx(1.5 * MODEL.prefill_s(1000))
+    admission.observed(100, 0, 0, 1.0 * MODEL.prefill_s(100))  # one pass at the model's speed
+    assert admission.prefill_ratio == pytest.approx((1.5 * 0.51 + 0.11) / (0.51 + 0.11))
+
+
 async def test_a_prompt_past_its_start_deadline_gets_429_before_any_work(tiny_model_pair) -> None:
     """Accepted, then held up (here: its deadline set in the past as it is submitted): when its
     turn comes it ends without computing anything, the client gets 429, no block is kept."""

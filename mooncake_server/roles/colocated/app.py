@@ -19,6 +19,7 @@ from mooncake_server.api.openai_app import install_api
 from mooncake_server.api.prompts import load_eos_token_ids
 from mooncake_server.config import ServerConfig
 from mooncake_server.cost_model.loading import load_perf_model
+from mooncake_server.cost_model.passes import seed_pass_tokens
 from mooncake_server.engine.factory import build_runner
 from mooncake_server.engine.forward_thread import forward_thread, no_team_on_this_thread
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
@@ -63,6 +64,14 @@ def build_app(config: ServerConfig) -> FastAPI:
             quiet = await asyncio.get_running_loop().run_in_executor(
                 executor, runner.quiet_step_s, _QUIET_PASSES)
             admission.seed_quiet_step(1, _QUIET_PASSES, quiet)
+            tokens = seed_pass_tokens(config.prefill_chunk_tokens, info.max_model_len,
+                                      runner.kv.num_blocks * runner.kv.layout.block_tokens)
+            seconds = await asyncio.get_running_loop().run_in_executor(
+                executor, runner.prompt_pass_s, tokens)
+            admission.seed_prompt_pass(tokens, seconds)
+            log.info("quiet decode step %.1f ms, full prompt pass of %d tokens %.2f s: %.2fx "
+                     "and %.2fx the cost model's", quiet * 1000, tokens, seconds,
+                     admission.decode_ratio, admission.prefill_ratio)
         loop.start()
         stack.push_async_callback(loop.stop)
         log.info("colocated engine ready: %s", info.name)

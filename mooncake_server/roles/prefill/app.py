@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.cost_model.loading import load_perf_model
+from mooncake_server.cost_model.passes import seed_pass_tokens
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.instance.app import Starting, instance_app
 from mooncake_server.instance.engine_role import instance_id, start_engine
@@ -35,11 +36,6 @@ from mooncake_server.wire.jobs import ErrorEvent, PrefillFirst, PrefillJob, Pref
 from mooncake_server.wire.routes import PREFILL, serve
 
 log = logging.getLogger(__name__)
-
-# NOTE: the full pass timed at start-up (ChunkBudget.seed): long enough that the per-pass cost
-# weighs on it about as on a burst's passes (1.44x the built-in model at 512 tokens, 1.37x on a
-# 1,690-token pass of six prompts, AMD EPYC), short enough to add under a second to start-up.
-SEED_PASS_TOKENS = 512
 
 
 @dataclass
@@ -68,9 +64,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         chunks = ChunkBudget(config.decode_chunk_tokens, model, config.tbt_slo_s)
         if model is not None:
             kv = parts.runner.kv
-            tokens = min(SEED_PASS_TOKENS, config.prefill_chunk_tokens,
-                         parts.info.max_model_len // 2,
-                         kv.num_blocks // 2 * kv.layout.block_tokens)
+            tokens = seed_pass_tokens(config.prefill_chunk_tokens, parts.info.max_model_len,
+                                      kv.num_blocks * kv.layout.block_tokens)
             seconds = await asyncio.get_running_loop().run_in_executor(
                 parts.executor, parts.runner.prompt_pass_s, tokens)
             chunks.seed(tokens, seconds)
