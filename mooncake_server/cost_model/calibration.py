@@ -122,14 +122,13 @@ class _RecentCalibration:
 
     def weighted_mean_with(self, measured_s: float, modelled_s: float) -> float:
         """`weighted_mean` with one more measurement that never ages (a start-up seed)."""
+        if modelled_s <= 0:
+            return self.weighted_mean
         self._recent.expire()
         samples = self._recent.samples
         weight = modelled_s + sum(m for _, _, m in samples)
-        if weight <= 0:
-            return self.empty
-        return (self._recent.clamp(measured_s / modelled_s) * modelled_s
-                + sum(r * m for _, r, m in samples)) / weight if modelled_s > 0 else \
-            self.weighted_mean
+        seeded = self._recent.clamp(measured_s / modelled_s) * modelled_s
+        return (seeded + sum(r * m for _, r, m in samples)) / weight
 
     @property
     def recent(self) -> int:
