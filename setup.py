@@ -60,9 +60,10 @@ def linear_extensions() -> list[object]:
     return [Extension(
         f"mooncake_server.engine._{name}",
         sources=[str(NATIVE / "linear" / f"{name}.c")],
+        depends=[str(NATIVE / "linear" / "lanes.h")],
         extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", *WARNINGS, "-fvisibility=hidden"],
         extra_link_args=["-fopenmp"],
-    ) for name in ("int8_vnni", "w8_group")]
+    ) for name in ("int8_vnni", "w8_group", "row_norm", "paged_decode")]
 
 
 if __name__ == "__main__":

@@ -47,6 +47,18 @@ NATIVE: dict[str, Callable[[], bool]] = {
     "fp16-weights": fp16_weights_supported}
 
 
+def q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as a Q4_1 GGUF holds it, dequantized as transformers loads it: per group of 32
+    inputs a float16 minimum m and step d, levels 0..15, each weight d * level + m in float32."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // 32, 32)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    m = lo.half().float()
+    d = ((hi - lo) / 15).half().float()
+    q = torch.round((w - m[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).clamp(0, 15)
+    return (d[..., None] * q + m[..., None]).view(n, k)
+
+
 def load_text() -> str:
     """The shipped text without its provenance header."""
     raw = resources.files("mooncake_testkit").joinpath("data", TEXT_FILE).read_text("ascii")

@@ -18,10 +18,11 @@ with the same flags), `colocated` (no SLO flags), `tfserve` (`transformers serve
 requests within SLO (a 429 is a miss), share of ACCEPTED within SLO, rejections, and for
 all-slo the conductor's measured / estimated TTFT p50 / p90 (its /metrics); per system its
 goodput (the slowest-to-fastest scan's highest rate with >= 90% of all requests within SLO).
-Also per rate a bound: the most requests any admission could serve within the TTFT SLO on the
-same arrivals, by an offline schedule of prefill work alone (each burst's requests ordered
-shortest first, Moore-Hodgson dropping the longest late one) at the per-token prefill cost
-measured on the idle all-slo server; decode is not charged, so the bound is optimistic.
+Also per rate a bound: the most requests any admission could serve within both SLOs on the
+same arrivals, by an offline schedule (mooncake_bench/goodput_bound.py) over costs measured on
+the idle all-slo server: prefill per prompt length (lone prompts of 128-2,048 tokens) and decode
+steps per batch size, with every assumption in the server's favour; "of bound" is a point's
+share of it.
 SLO: TTFT 5 s, TBT 200 ms (TBT over the decode's gaps; the hand-off before the second token is
 held to TTFT + TBT, for every system alike). Writes goodput.json, goodput.png and one
 requests-<system>-x<scale>.jsonl per point (each request's outcome) to --out.
@@ -32,9 +33,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import heapq
+import itertools
 import json
 import shlex
+import statistics
 import sys
 import time
 from contextlib import AbstractContextManager
@@ -45,6 +47,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mooncake_bench import client as bs  # noqa: E402  (the checkout's package, installed or not)
+from mooncake_bench import goodput_bound as gb  # noqa: E402
 from mooncake_bench import machine, systems  # noqa: E402
 from mooncake_bench import trace as rt  # noqa: E402
 from mooncake_bench.report import line_chart  # noqa: E402
@@ -52,6 +55,9 @@ from mooncake_bench.report import line_chart  # noqa: E402
 BUCKET_MS = 3000.0
 SYSTEMS = ("all-slo", "colocated-slo", "colocated", "tfserve")
 GOODPUT_SHARE = 0.9
+MAX_OUTPUT = 64
+PREFILL_SAMPLES = (128, 512, 1024, 2048)
+DECODE_SAMPLES = (1, 8)
 
 
 def bursty_trace(path: Path, requests: int) -> list[rt.TraceRequest]:
@@ -104,22 +110,34 @@ def estimate_ratios(url: str) -> dict[str, float]:
     return out
 
 
-def prefill_s_per_token(api: bs.Api, prompts: bs.Prompts) -> float:
-    """Seconds per prompt token of a lone 512-token prefill on the idle server (best of 3)."""
-    async def three() -> list[float]:
+def idle_costs(api: bs.Api, prompts: bs.Prompts) -> gb.Costs:
+    """The bound's costs, measured on the idle server: lone prompts of 128-2,048 tokens (the
+    best of two each: time to first token) and decode steps of 1 and 8 rows (median gap)."""
+    async def measure() -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
         async with bs.new_client(120) as client:
-            return [(await bs.send(client, api, prompts.random(512, f"idle{i}"), 1)).ttft_s
-                    or float("inf") for i in range(3)]
-    return min(asyncio.run(three())) / 512
+            prefill = []
+            for n in PREFILL_SAMPLES:
+                best = min([(await bs.send(client, api, prompts.random(n, f"idle{n}-{i}"), 1))
+                            .ttft_s or float("inf") for i in range(2)])
+                prefill.append((n, best))
+            decode = []
+            for rows in DECODE_SAMPLES:
+                got = await asyncio.gather(*(bs.send(client, api, prompts.random(32, f"d{rows}-{i}"),
+                                                     64) for i in range(rows)))
+                gaps = [b - a for r in got for a, b in itertools.pairwise(r.token_times[2:])]
+                decode.append((rows, statistics.median(gaps)))
+            return prefill, decode
+    prefill, decode = asyncio.run(measure())
+    return gb.Costs(*gb.fit_prefill(prefill), *gb.fit_decode(decode))
 
 
-def burst_work(trace: list[rt.TraceRequest], builder: rt.PromptBuilder,
-               scale: float) -> dict[float, list[int]]:
-    """Each burst's arrival (scaled seconds) -> its requests' uncached prompt tokens (hash-id
-    blocks seen in an earlier request count as cached)."""
+def burst_work(trace: list[rt.TraceRequest], builder: rt.PromptBuilder, scale: float,
+               max_output: int) -> dict[float, list[gb.Request]]:
+    """Each burst's arrival (scaled seconds) -> its requests (uncached prompt tokens: hash-id
+    blocks seen in an earlier request count as cached; output tokens)."""
     seen: set[int] = set()
     t0 = trace[0].timestamp_ms
-    bursts: dict[float, list[int]] = {}
+    bursts: dict[float, list[gb.Request]] = {}
     for r in trace:
         n = builder.length(r)
         cached = 0
@@ -129,30 +147,9 @@ def burst_work(trace: list[rt.TraceRequest], builder: rt.PromptBuilder,
             cached += 16
         seen.update(r.hash_ids)
         arrive = (r.timestamp_ms - t0) / 1000.0 * scale
-        bursts.setdefault(arrive, []).append(max(1, n - min(cached, n - 1)))
+        bursts.setdefault(arrive, []).append(
+            gb.Request(max(1, n - min(cached, n - 1)), max(1, min(r.output_length, max_output))))
     return bursts
-
-
-def offline_bound(bursts: dict[float, list[int]], per_token_s: float, ttft_slo: float) -> int:
-    """Most requests whose prefill can finish within the TTFT SLO on one prefill server.
-
-    Burst by burst (a burst's work cannot start before it arrives, nor before the work kept
-    from earlier bursts is done), each burst shortest first; whenever the schedule runs late
-    the longest request kept in the burst is dropped (Moore-Hodgson: optimal for one common
-    deadline). Decode costs nothing here.
-    """
-    served, free_at = 0, 0.0
-    for arrive in sorted(bursts):
-        kept: list[float] = []  # a max-heap of costs (negated)
-        t = max(free_at, arrive)
-        for cost in sorted(n * per_token_s for n in bursts[arrive]):
-            heapq.heappush(kept, -cost)
-            t += cost
-            if t > arrive + ttft_slo:
-                t += heapq.heappop(kept)  # drop the longest kept
-        served += len(kept)
-        free_at = t
-    return served
 
 
 def launch(system: str, args: argparse.Namespace,
@@ -174,8 +171,8 @@ def run_point(system: str, scale: float, args: argparse.Namespace, prompts: bs.P
     with launch(system, args, log_dir / f"{system}-x{scale:g}") as api:
         api.prompts = prompts
         asyncio.run(bs.warm_up(api, prompts, 128, args.request_timeout))
-        if system == "all-slo" and "per_token_s" not in bound:
-            bound["per_token_s"] = prefill_s_per_token(api, prompts)
+        if system == "all-slo" and "costs" not in bound:
+            bound["costs"] = idle_costs(api, prompts)
         # The trace starts on an idle cluster: two heartbeats (1 s apart by default) so that
         # no load report from the warm-up still counts (a prefill's last one said a job was
         # waiting, and the first burst was judged in cut passes: its 564- and 583-token
@@ -183,7 +180,8 @@ def run_point(system: str, scale: float, args: argparse.Namespace, prompts: bs.P
         time.sleep(2.5)
         started = time.perf_counter() - t0
         t1 = time.perf_counter()
-        results = asyncio.run(replay_point(api, prompts, trace, scale, 64, args.drain_s))
+        results = asyncio.run(replay_point(api, prompts, trace, scale, MAX_OUTPUT,
+                                           args.drain_s))
         wall = time.perf_counter() - t1
         ratios = estimate_ratios(api.url) if system == "all-slo" else {}
     with open(Path(args.out) / f"requests-{system}-x{scale:g}.jsonl", "w") as f:
@@ -252,23 +250,27 @@ def main() -> None:
             points.append(p)
             print(f"  within SLO {p['within_slo']:.0%} of all, {p['accepted_within_slo']:.0%} "
                   f"of accepted; rejected {p['rejected']}, unanswered {p['timeouts']}", flush=True)
-    per_token = bound.get("per_token_s")
+    costs = bound.get("costs")
     builder = prompts.builder(16, 0)
-    bounds = {len(trace) / (span * s): offline_bound(burst_work(trace, builder, s), per_token,
-                                                     args.ttft_slo) / len(trace)
-              for s in scales} if per_token else {}
-    print(f"\nSLOs: TTFT {args.ttft_slo:g} s, TBT {args.tbt_slo:g} s; idle prefill "
-          f"{(per_token or float('nan')) * 1000:.2f} ms/token")
+    bounds = {len(trace) / (span * s): gb.best_served(
+        burst_work(trace, builder, s, MAX_OUTPUT), costs, args.ttft_slo, args.tbt_slo) / len(trace)
+        for s in scales} if costs else {}
+    print(f"\nSLOs: TTFT {args.ttft_slo:g} s, TBT {args.tbt_slo:g} s")
+    if costs:
+        print(f"idle costs: prefill {costs.pass_s * 1000:.0f} ms a pass + "
+              f"{costs.token_s * 1000:.3f} ms/token + {costs.pair_s * 1e6:.4f} us/token^2; "
+              f"decode step {costs.step_s * 1000:.1f} ms + {costs.row_s * 1000:.2f} ms/row")
     print(f"{'system':<10}{'scale':>6}{'req/s':>7}{'all%':>6}{'acc%':>6}{'429':>5}{'late':>5}"
-          f"{'TTFT p90':>9}{'TBT p90':>8}{'ttft m/e p50':>13}{'p90':>6}{'bound%':>7}")
+          f"{'TTFT p90':>9}{'TBT p90':>8}{'ttft m/e p50':>13}{'p90':>6}{'bound%':>7}"
+          f"{'of bound':>9}")
     for p in points:
-        b = bounds.get(p["rate"])
+        b = bounds.get(p["rate"], float("nan"))
         print(f"{p['system']:<10}{p['scale']:>6g}{p['rate']:>7.2f}{p['within_slo']:>6.0%}"
               f"{p['accepted_within_slo']:>6.0%}{p['rejected']:>5}{p['timeouts']:>5}"
               f"{p['ttft_p90']:>9.2f}{p['tbt_p90']:>8.3f}"
               f"{p.get('ttft_ratio_p50', float('nan')):>13.2f}"
               f"{p.get('ttft_ratio_p90', float('nan')):>6.2f}"
-              f"{(b if b is not None else float('nan')):>7.0%}")
+              f"{b:>7.0%}{p['within_slo'] / b if b else float('nan'):>9.0%}")
     goodput = {}
     for system in {p["system"] for p in points}:
         ok = [p["rate"] for p in points if p["system"] == system
@@ -278,7 +280,7 @@ def main() -> None:
     (out / "goodput.json").write_text(json.dumps(
         {"cpu": machine.cpu_info(), "trace": args.trace, "requests": len(trace),
          "bucket_ms": BUCKET_MS, "points": points, "bounds": bounds, "goodput": goodput,
-         "prefill_s_per_token": per_token}, indent=1))
+         "costs": dataclasses.asdict(costs) if costs else None}, indent=1))
     plot(points, bounds, out / "goodput.png")
     print(f"wrote {out / 'goodput.json'} and {out / 'goodput.png'}")
 

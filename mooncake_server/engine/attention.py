@@ -4,7 +4,9 @@ A forward pass carries a packed, variable-length batch (several sequences back t
 in all). For each layer `attend` writes the new K/V into their cache slots, then attends in as
 few calls as the batch allows:
 
-- the decoding sequences (one new token each) in groups of equal padded context width (a
+- the decoding sequences (one new token each): in `--dtype auto`'s forward, one native call
+  per layer straight over the pool's blocks (native/linear/paged_decode.c: each row's own
+  tokens, in one fixed order); otherwise in groups of equal padded context width (a
   multiple of 256 tokens, fixed by each sequence's own length, so a row's arithmetic does not
   depend on its batch): a group's K and V gathered in ONE `index_select` of per-head block
   runs, which lands as [2, B, kv_heads, blocks * block_tokens, head_dim] with no further copy
@@ -27,6 +29,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+try:
+    from mooncake_server.engine import _paged_decode  # type: ignore[attr-defined]
+except ImportError:  # built only on x86-64
+    _paged_decode = None
 
 ATTN_IMPLEMENTATION = "mooncake_paged"
 # Decode contexts are padded to a multiple of this many tokens (see DecodeBatch).
@@ -58,6 +65,20 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class NativeDecode:
+    """The decoding rows' block tables for the native kernel (`--dtype auto`'s forward)."""
+
+    tables: torch.Tensor  # [size, width] int64 block ids, short tables padded with a valid one
+    lens: torch.Tensor  # [size] int32 context lengths (the new token included)
+    layers: int
+
+
+def native_decode_supported() -> bool:
+    """The native decode kernel is built here (x86-64; it runs where AVX2+FMA does)."""
+    return _paged_decode is not None
+
+
+@dataclass(frozen=True)
 class DecodeBatch:
     """The decoding sequences of a pass: its first `size` rows, one token each, in groups.
 
@@ -68,6 +89,7 @@ class DecodeBatch:
 
     size: int
     groups: list[DecodeGroup]
+    native: NativeDecode | None = None  # set: one native call per layer, `groups` unused
 
 
 @dataclass
@@ -131,12 +153,28 @@ def decode_width(blocks: int, block_tokens: int) -> int:
 def _decode(plan: AttentionPlan, d: DecodeBatch, layer: int, q: torch.Tensor, scale: float,
             ) -> torch.Tensor:
     """Attention of the decoding rows q [B, heads, d] over their context: [B, heads, d]."""
+    if d.native is not None:
+        return _decode_native(plan, d.native, layer, q, scale)
     if len(d.groups) == 1:
         return _decode_group(plan, d.groups[0], layer, q, scale)
     out = q.new_empty(q.shape)
     for g in d.groups:
         out[g.start:g.start + g.size] = _decode_group(plan, g, layer,
                                                       q[g.start:g.start + g.size], scale)
+    return out
+
+
+def _decode_native(plan: AttentionPlan, n: NativeDecode, layer: int, q: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """`_decode` in one native call over the pool (float32)."""
+    b, heads, head_dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    out = torch.empty(b, heads, head_dim)
+    _paged_decode.decode(q.data_ptr(), q.stride(0), plan.head_runs.data_ptr(),
+                         n.tables.data_ptr(), n.tables.shape[1], n.lens.data_ptr(), b, layer,
+                         n.layers, plan.kv_heads, heads, head_dim, plan.block_tokens, scale,
+                         out.data_ptr())
     return out
 
 

@@ -12,7 +12,8 @@ a flat sequence of calls:
   GEMMs per layer instead of 7, and the quantized / prepacked kernels then apply to the fused
   ones;
 - rope is applied to q and k heads in one pass; RMSNorm uses torch's fused kernel in float32
-  (bit-identical to HF's there) and HF's own module in other dtypes;
+  (bit-identical to HF's there) and HF's own module in other dtypes; where the linears run
+  `--dtype auto`'s fixed-order kernel, the norms run a fixed-order one too (row_norm.py);
 - the packed batch stays 2-D [tokens, hidden]: no batch dimension, no per-layer mask.
 
 Architectures whose layers carry more than this (q/k norms, sliding windows, logit soft-capping,
@@ -31,6 +32,8 @@ from torch import nn
 
 from mooncake_server.engine.attention import AttentionPlan, attend
 from mooncake_server.engine.linears import direct_call
+from mooncake_server.engine.row_norm import row_norm_call, row_norm_fits
+from mooncake_server.engine.w8_linear import W8Linear
 
 # model_type -> the layer shape this forward reproduces exactly
 _SUPPORTED = {"llama", "mistral", "qwen2"}
@@ -89,9 +92,10 @@ class LlamaLayer(nn.Module):
 
     def bind(self) -> None:
         """Resolve what each of this layer's calls runs, once its kernels are final."""
+        fixed = isinstance(self.qkv, W8Linear)
         self.calls = _LayerCalls(
-            norm_in=_norm_call(self.input_norm), qkv=direct_call(self.qkv),
-            o_proj=direct_call(self.o_proj), norm_post=_norm_call(self.post_norm),
+            norm_in=_norm_call(self.input_norm, fixed), qkv=direct_call(self.qkv),
+            o_proj=direct_call(self.o_proj), norm_post=_norm_call(self.post_norm, fixed),
             gate_up=direct_call(self.gate_up), down=direct_call(self.down))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -129,12 +133,15 @@ class _LayerCalls:
     down: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _norm_call(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def _norm_call(norm: nn.Module, fixed_order: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """HF's RMSNorm `norm` as a function of x (x has the weight's dtype in this forward).
 
-    In float32 torch's fused kernel gives HF's bits in one call; other dtypes keep HF's module.
+    Beside fixed-order linears, the fixed-order native norm (`fixed_order`); else in float32
+    torch's fused kernel gives HF's bits in one call; other dtypes keep HF's module.
     """
     weight = norm.weight
+    if fixed_order and row_norm_fits(weight):
+        return row_norm_call(weight, norm.variance_epsilon)
     if weight.dtype == torch.float32:
         return functools.partial(F.rms_norm, normalized_shape=weight.shape, weight=weight,
                                  eps=norm.variance_epsilon)
@@ -156,12 +163,15 @@ class LlamaStack(nn.Module):
         self.norm = inner.norm
         self.lm_head = model.lm_head
         self._final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.fixed_order = False  # every linear runs the fixed-order kernel (set by bind)
 
     def bind(self) -> None:
         """Resolve every layer's calls; run once the linears' kernels are final (ModelRunner)."""
         for layer in self.layers:
             layer.bind()  # type: ignore[operator]
-        self._final_norm = _norm_call(self.norm)
+        self.fixed_order = isinstance(self.lm_head, W8Linear) and all(
+            isinstance(layer.qkv, W8Linear) for layer in self.layers)
+        self._final_norm = _norm_call(self.norm, self.fixed_order)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor,
                 plan: AttentionPlan) -> torch.Tensor:

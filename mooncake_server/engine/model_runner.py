@@ -16,9 +16,11 @@ from mooncake_server.engine.attention import (
     AttentionPlan,
     DecodeBatch,
     DecodeGroup,
+    NativeDecode,
     PromptSlice,
     causal_mask,
     decode_width,
+    native_decode_supported,
     per_layer,
     register_paged_attention,
 )
@@ -82,6 +84,9 @@ class ModelRunner:
             self.model.bind()  # the kernels are final now
         self.kv = kv
         self.layout: KVLayout = kv.layout
+        # `--dtype auto`'s forward attends its decoding rows natively in one fixed order.
+        self.native_decode = (isinstance(self.model, LlamaStack) and self.model.fixed_order
+                              and kv.layout.dtype == torch.float32 and native_decode_supported())
         self.cores = cores or FixedThreads(None)
         # The last pass's wait for its turn on the cores and its own time after it: a token gap
         # is one plus the other, and only the second scales with the batch.
@@ -229,9 +234,15 @@ class ModelRunner:
                 tables.append(s.block_ids[:pos // bt + 1])
                 lens.append(pos + 1)
                 last_rows[i] = row
+            if self.native_decode:
+                width = max(len(t) for t in tables)
+                padded = [t + [t[0]] * (width - len(t)) for t in tables]
+                native = NativeDecode(torch.tensor(padded, dtype=torch.long),
+                                      torch.tensor(lens, dtype=torch.int32), layers)
+                decode = DecodeBatch(size=len(decodes), groups=[], native=native)
             groups: list[DecodeGroup] = []
             start = 0
-            while start < len(tables):
+            while decode is None and start < len(tables):
                 width = decode_width(len(tables[start]), bt)
                 end = start
                 while end < len(tables) and decode_width(len(tables[end]), bt) == width:
@@ -239,7 +250,7 @@ class ModelRunner:
                 groups.append(self._decode_group(tables[start:end], lens[start:end], start,
                                                  width, runs_per_block, head_runs, layers))
                 start = end
-            decode = DecodeBatch(size=len(decodes), groups=groups)
+            decode = decode or DecodeBatch(size=len(decodes), groups=groups)
         slot_parts = [torch.tensor(slots, dtype=torch.long)] if slots else []
         prompt_slices: list[PromptSlice] = []
         for i in prompts:

@@ -6,6 +6,10 @@ weight bytes, and the only rounding against the float32 mode is the weights', wh
 converted from a Q4_1/Q8_0 GGUF (the bundled default) is one float32 rounding: its levels land
 on exact byte levels. Every output is summed in one fixed order, so a row's result
 does not depend on the other rows of its call, the thread count, or which AVX2 CPU runs it.
+
+A linear whose every group is exactly s * n + m with n in 0..15 (a Q4_1 GGUF's blocks, as
+transformers dequantizes them) is kept in 4 bits instead: half the bytes a decode step reads,
+and the kernel multiplies by the model's float32 weights themselves, bit for bit.
 """
 
 from __future__ import annotations
@@ -70,8 +74,65 @@ def _grid(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, low: int, 
     return q, scale, offset, (rec - w).abs().amax(dim=-1)
 
 
+def four_bit_groups(weight: torch.Tensor,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(levels 0..15 uint8 [N, K], scale [N, K/32], offset [N, K/32]) with every weight exactly
+    fma(level, scale, offset) in float32, or None where a group has no such form.
+
+    A Q4_1 block's minimum sits on level 0 (the offset is the group's minimum) and its maximum on
+    the top level used, most often 15; the scale is that range over the top level, as float32
+    or as the GGUF's float16.
+    """
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // GROUP, GROUP)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    levels = torch.zeros(w.shape, dtype=torch.uint8)
+    scale = torch.zeros(lo.shape)
+    todo = torch.ones(lo.shape, dtype=torch.bool)
+    for top in range(15, 0, -1):
+        for step in ((hi - lo) / top, ((hi - lo) / top).half().float()):
+            idx = todo.nonzero(as_tuple=True)
+            if not idx[0].numel():
+                return levels.view(n, k), scale, lo
+            wt, lt, st = w[idx], lo[idx], step[idx]
+            q = torch.round((wt - lt[:, None]) / torch.where(st > 0, st, 1.0)[:, None])
+            q = q.clamp(0, 15)
+            # In float64, q * s + m is exact (checked), so its rounding to float32 is the
+            # kernel's fma's.
+            rec = (q.double() * st.double()[:, None] + lt.double()[:, None]).float()
+            good = (rec == wt).all(dim=-1) & _exact_in_double(wt, st, lt)
+            hit = tuple(i[good] for i in idx)
+            levels[hit] = q[good].to(torch.uint8)
+            scale[hit] = st[good]
+            todo[hit] = False
+            if top == 15 and not _at_most_16_values(w[todo.nonzero(as_tuple=True)]):
+                return None  # no grid of 16 levels holds these groups (int8 GGUF tensors)
+    return (levels.view(n, k), scale, lo) if not todo.any() else None
+
+
+def _at_most_16_values(groups: torch.Tensor) -> bool:
+    """Every group (row) holds at most 16 distinct values."""
+    if not groups.numel():
+        return True
+    ordered = groups.sort(dim=-1).values
+    return bool(((ordered[:, 1:] != ordered[:, :-1]).sum(dim=-1) < 16).all())
+
+
+def _exact_in_double(w: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """Per group: level * scale + offset needs at most 53 bits for each of its weights (so
+    float64 holds it exactly): the largest weight over the finer of the two terms' last bits."""
+    def last_bit(x: torch.Tensor) -> torch.Tensor:
+        e = torch.frexp(x)[1].double() - 24  # float32: 24 bits of mantissa
+        return torch.where(x != 0, e, torch.full_like(e, 1e9))
+
+    top = torch.frexp(w.abs().amax(dim=-1))[1].double()
+    return top - torch.minimum(last_bit(scale), last_bit(offset)) + 1 <= 53
+
+
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
     """The float32 weight the kernel multiplies by (for quality checks in torch)."""
+    if four_bit_groups(weight) is not None:
+        return weight.detach().float().clone()
     q, scale, offset = quantize_groups(weight)
     n, k = q.shape
     levels = q.view(n, k // GROUP, GROUP).float()
@@ -88,13 +149,20 @@ class W8Linear(nn.Module):
         if not w8_fits(linear):
             raise ValueError(f"input width {linear.in_features} is not a multiple of {GROUP}")
         self.out_features, self.in_features = n, k = linear.weight.shape
-        q, scale, offset = quantize_groups(linear.weight)
+        four = four_bit_groups(linear.weight)
+        self.bits = 8 if four is None else 4
+        q, scale, offset = quantize_groups(linear.weight) if four is None else four
         n_pad = -(-n // BLOCK_N) * BLOCK_N
         groups = k // GROUP
         q = _padded_rows(q, n_pad)
-        # [N/2][K/8][2][8]: one 8-byte load is 8 inputs of one channel, the tile's two
-        # channels side by side
-        packed = q.view(n_pad // BLOCK_N, BLOCK_N, k // 8, 8).permute(0, 2, 1, 3)
+        if four is None:
+            # [N/2][K/8][2][8]: one 8-byte load is 8 inputs of one channel, the tile's two
+            # channels side by side
+            packed = q.view(n_pad // BLOCK_N, BLOCK_N, k // 8, 8).permute(0, 2, 1, 3)
+        else:
+            # [N/2][K/16][2][8]: byte j of a channel's 8 holds input j (low nibble) and j + 8
+            halves = q.view(n_pad // BLOCK_N, BLOCK_N, k // 16, 2, 8)
+            packed = (halves[..., 0, :] | (halves[..., 1, :] << 4)).permute(0, 2, 1, 3)
         self.register_buffer("packed", packed.contiguous(), persistent=False)
         # [N/2][K/32][2]: a group's scales (offsets) for the tile's two channels side by side
         self.register_buffer("scale", _by_block(_padded_rows(scale, n_pad), groups),
@@ -104,15 +172,15 @@ class W8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias, persistent=False)
         self._args = (self.packed.data_ptr(), self.scale.data_ptr(), self.offset.data_ptr(), n,
-                      0 if bias is None else bias.data_ptr())
+                      0 if bias is None else bias.data_ptr(), self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """float32 in, float32 out."""
         rows = x.reshape(-1, self.in_features).contiguous()
         y = torch.empty(rows.shape[0], self.out_features)
-        packed, scale, offset, n, bias = self._args
+        packed, scale, offset, n, bias, bits = self._args
         _w8_group.linear(rows.data_ptr(), rows.shape[0], self.in_features, packed, scale, offset,
-                         n, bias, y.data_ptr())
+                         n, bias, y.data_ptr(), bits)
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -10,6 +10,11 @@
  *   values per group, spread evenly: they land on exact byte levels and come back within one
  *   float32 rounding;
  * - packed as [N/BLOCK_N][K/8][BLOCK_N][8]: one 8-byte load is 8 inputs of one channel;
+ * - a linear whose every group is exactly s * n + m with n in 0..15 (a Q4_1 GGUF's blocks: s and
+ *   m are the block's own scale and min) is packed in 4 bits instead, [N/BLOCK_N][K/16][BLOCK_N][8]:
+ *   byte j of a channel's 8 holds input j in its low nibble and input j + 8 in its high one.
+ *   Decode reads half the bytes; each weight is still the float n * s + m, and each output
+ *   takes the very same sequence of fmas as from bytes;
  * - few rows (decode) turn each weight byte into a float in registers; many rows (prefill)
  *   dequantize a slab of channels into float32 once and pass every row over it. Both compute
  *   each weight as the same q * s + m;
@@ -25,13 +30,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "lanes.h"
+
 #define GROUP 32 /* inputs per scale and offset */
 #define BLOCK_N 2 /* output channels per tile */
 #define TILE_M 4 /* rows per tile: 8 accumulators + 2 weights + 1 input of 16 registers */
 #define WIDE_N 3 /* channels per tile from dequantized weights: 12 accumulators + 3 + 1 */
 #define SLAB_N 48 /* channels dequantized at once for many rows (a multiple of WIDE_N) */
 #define NARROW_ROWS 4 /* up to this many rows, weights are dequantized in registers */
-#define TARGET __attribute__((target("avx2,fma")))
 
 /* The weights of `BLOCK_N` channels for inputs [k, k+8): q * s + m per lane. */
 TARGET static inline __m256 weights(const uint8_t *q, __m256 s, __m256 m)
@@ -40,20 +46,30 @@ TARGET static inline __m256 weights(const uint8_t *q, __m256 s, __m256 m)
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), s, m);
 }
 
-/* The 8 lanes' sum in one fixed order. */
-TARGET static inline float lanes_sum(__m256 v)
+/* 4-bit: the weights of one channel for inputs [k, k+16) from its 8 bytes (`lo` the first 8). */
+TARGET static inline void weights4(const uint8_t *q, __m256 s, __m256 m, __m256 *lo, __m256 *hi)
 {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    *lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))), s, m);
+    *hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)), s, m);
+}
+
+/* acc[r][c] += w[c] * x[r][0..8) for each row and channel. */
+TARGET static inline void fma_rows(const float *x, int k, int rows, const __m256 *w,
+                                   __m256 acc[TILE_M][BLOCK_N])
+{
+    for (int r = 0; r < rows; r++) {
+        const __m256 xv = _mm256_loadu_ps(x + (size_t)r * k);
+        for (int c = 0; c < BLOCK_N; c++)
+            acc[r][c] = _mm256_fmadd_ps(w[c], xv, acc[r][c]);
+    }
 }
 
 /* Rows [r0, r0+rows) (rows <= TILE_M) times the BLOCK_N channels of block `b`. Each output's
  * arithmetic is the same whatever `rows` is: the compiler unrolls per `rows`, nothing else. */
 TARGET static inline void tile(const float *x, int k, int rows, const uint8_t *qb,
                                const float *sb, const float *mb, const float *bias, float *y,
-                               int n, int b)
+                               int n, int b, int bits)
 {
     __m256 acc[TILE_M][BLOCK_N];
     for (int r = 0; r < TILE_M; r++)
@@ -65,17 +81,21 @@ TARGET static inline void tile(const float *x, int k, int rows, const uint8_t *q
             s[c] = _mm256_set1_ps(sb[g * BLOCK_N + c]);
             m[c] = _mm256_set1_ps(mb[g * BLOCK_N + c]);
         }
-        for (int j = 0; j < GROUP; j += 8) {
+        for (int j = 0; j < GROUP; j += 16) {
             const int kk = g * GROUP + j;
-            const uint8_t *q = qb + (size_t)kk * BLOCK_N;
-            __m256 w[BLOCK_N];
-            for (int c = 0; c < BLOCK_N; c++)
-                w[c] = weights(q + c * 8, s[c], m[c]);
-            for (int r = 0; r < rows; r++) {
-                const __m256 xv = _mm256_loadu_ps(x + (size_t)r * k + kk);
-                for (int c = 0; c < BLOCK_N; c++)
-                    acc[r][c] = _mm256_fmadd_ps(w[c], xv, acc[r][c]);
+            /* inputs [kk, kk+8) then [kk+8, kk+16): each accumulator's fmas in k order */
+            __m256 lo[BLOCK_N], hi[BLOCK_N];
+            for (int c = 0; c < BLOCK_N; c++) {
+                if (bits == 4)
+                    weights4(qb + (size_t)kk * BLOCK_N / 2 + c * 8, s[c], m[c], &lo[c], &hi[c]);
+                else
+                    lo[c] = weights(qb + (size_t)kk * BLOCK_N + c * 8, s[c], m[c]);
             }
+            fma_rows(x + kk, k, rows, lo, acc);
+            if (bits != 4)
+                for (int c = 0; c < BLOCK_N; c++)
+                    hi[c] = weights(qb + (size_t)(kk + 8) * BLOCK_N + c * 8, s[c], m[c]);
+            fma_rows(x + kk + 8, k, rows, hi, acc);
         }
     }
     for (int r = 0; r < rows; r++)
@@ -86,28 +106,48 @@ TARGET static inline void tile(const float *x, int k, int rows, const uint8_t *q
         }
 }
 
-/* The tile for a full TILE_M rows and for 1..3 rows: each a constant row count, unrolled. */
+/* The tile for a full TILE_M rows and for 1..3 rows, from bytes or nibbles: each a constant row
+ * count and width, unrolled. */
 TARGET static void tile_rows(const float *x, int k, int rows, const uint8_t *qb, const float *sb,
-                             const float *mb, const float *bias, float *y, int n, int b)
+                             const float *mb, const float *bias, float *y, int n, int b, int bits)
 {
-    switch (rows) {
-    case 4: tile(x, k, 4, qb, sb, mb, bias, y, n, b); break;
-    case 3: tile(x, k, 3, qb, sb, mb, bias, y, n, b); break;
-    case 2: tile(x, k, 2, qb, sb, mb, bias, y, n, b); break;
-    default: tile(x, k, 1, qb, sb, mb, bias, y, n, b); break;
+#define TILE(R, B) tile(x, k, R, qb, sb, mb, bias, y, n, b, B)
+    if (bits == 4) {
+        switch (rows) {
+        case 4: TILE(4, 4); break;
+        case 3: TILE(3, 4); break;
+        case 2: TILE(2, 4); break;
+        default: TILE(1, 4); break;
+        }
+    } else {
+        switch (rows) {
+        case 4: TILE(4, 8); break;
+        case 3: TILE(3, 8); break;
+        case 2: TILE(2, 8); break;
+        default: TILE(1, 8); break;
+        }
     }
+#undef TILE
 }
 
 /* Channel `c` of block `b`, dequantized to float32 into `w` (k floats): the same q * s + m per
  * lane that `weights` gives, so both paths multiply by the very same values. */
 TARGET static void dequantize(const uint8_t *qb, const float *sb, const float *mb, int k, int c,
-                              float *w)
+                              float *w, int bits)
 {
     for (int g = 0; g < k / GROUP; g++) {
         const __m256 s = _mm256_set1_ps(sb[g * BLOCK_N + c]), m = _mm256_set1_ps(mb[g * BLOCK_N + c]);
-        for (int j = 0; j < GROUP; j += 8) {
+        for (int j = 0; j < GROUP; j += 16) {
             const int kk = g * GROUP + j;
-            _mm256_storeu_ps(w + kk, weights(qb + (size_t)kk * BLOCK_N + c * 8, s, m));
+            __m256 lo, hi;
+            if (bits == 4) {
+                weights4(qb + (size_t)kk * BLOCK_N / 2 + c * 8, s, m, &lo, &hi);
+            } else {
+                lo = weights(qb + (size_t)kk * BLOCK_N + c * 8, s, m);
+                hi = weights(qb + (size_t)(kk + 8) * BLOCK_N + c * 8, s, m);
+            }
+            _mm256_storeu_ps(w + kk, lo);
+            _mm256_storeu_ps(w + kk + 8, hi);
         }
     }
 }
@@ -159,24 +199,25 @@ TARGET static void wide_rows(const float *x, int k, int rows, const float *w, in
 
 /* Few rows: each weight byte is read once and turned into a float in registers. */
 TARGET static void narrow(const float *x, int m, int k, const uint8_t *q, const float *scale,
-                          const float *offset, int n, const float *bias, float *y)
+                          const float *offset, int n, const float *bias, float *y, int bits)
 {
     const int blocks = (n + BLOCK_N - 1) / BLOCK_N;
 #pragma omp parallel for schedule(static)
     for (int b = 0; b < blocks; b++) {
-        const uint8_t *qb = q + (size_t)b * BLOCK_N * k;
+        const uint8_t *qb = q + (size_t)b * BLOCK_N * k * bits / 8;
         const float *sb = scale + (size_t)b * BLOCK_N * (k / GROUP);
         const float *mb = offset + (size_t)b * BLOCK_N * (k / GROUP);
         for (int r0 = 0; r0 < m; r0 += TILE_M) {
             const int rows = m - r0 < TILE_M ? m - r0 : TILE_M;
-            tile_rows(x + (size_t)r0 * k, k, rows, qb, sb, mb, bias, y + (size_t)r0 * n, n, b);
+            tile_rows(x + (size_t)r0 * k, k, rows, qb, sb, mb, bias, y + (size_t)r0 * n, n, b,
+                      bits);
         }
     }
 }
 
 /* Many rows: a slab of channels is dequantized once, then every row passes over it. */
 TARGET static int wide(const float *x, int m, int k, const uint8_t *q, const float *scale,
-                       const float *offset, int n, const float *bias, float *y)
+                       const float *offset, int n, const float *bias, float *y, int bits)
 {
     const int slabs = (n + SLAB_N - 1) / SLAB_N;
     int failed = 0;
@@ -191,9 +232,10 @@ TARGET static int wide(const float *x, int m, int k, const uint8_t *q, const flo
             const int ch0 = sl * SLAB_N, chans = n - ch0 < SLAB_N ? n - ch0 : SLAB_N;
             for (int c = 0; c < chans; c++) {
                 const int ch = ch0 + c, b = ch / BLOCK_N;
-                dequantize(q + (size_t)b * BLOCK_N * k, scale + (size_t)b * BLOCK_N * (k / GROUP),
+                dequantize(q + (size_t)b * BLOCK_N * k * bits / 8,
+                           scale + (size_t)b * BLOCK_N * (k / GROUP),
                            offset + (size_t)b * BLOCK_N * (k / GROUP), k, ch % BLOCK_N,
-                           w + (size_t)c * k);
+                           w + (size_t)c * k, bits);
             }
             for (int r0 = 0; r0 < m; r0 += TILE_M) {
                 const int rows = m - r0 < TILE_M ? m - r0 : TILE_M;
@@ -209,21 +251,23 @@ TARGET static int wide(const float *x, int m, int k, const uint8_t *q, const flo
     return failed;
 }
 
-/* linear(x, m, k, q, scale, offset, n, bias, y): addresses as ints, bias 0 for none. */
+/* linear(x, m, k, q, scale, offset, n, bias, y, bits): addresses as ints, bias 0 for none,
+ * bits 8 (bytes) or 4 (nibbles). */
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "linear takes 9 arguments");
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "linear takes 10 arguments");
         return NULL;
     }
-    void *p[9];
-    for (int i = 0; i < 9; i++) {
+    void *p[10];
+    for (int i = 0; i < 10; i++) {
         p[i] = PyLong_AsVoidPtr(args[i]);
         if (PyErr_Occurred())
             return NULL;
     }
     const int m = (int)(intptr_t)p[1], k = (int)(intptr_t)p[2], n = (int)(intptr_t)p[6];
-    if (m < 0 || k <= 0 || k % GROUP || n <= 0) {
+    const int bits = (int)(intptr_t)p[9];
+    if (m < 0 || k <= 0 || k % GROUP || n <= 0 || (bits != 4 && bits != 8)) {
         PyErr_SetString(PyExc_ValueError, "bad linear shape");
         return NULL;
     }
@@ -232,9 +276,9 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     if (m <= NARROW_ROWS)
-        narrow(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8]);
+        narrow(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8], bits);
     else
-        failed = wide(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8]);
+        failed = wide(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8], bits);
     Py_END_ALLOW_THREADS
     if (failed)
         return PyErr_NoMemory();
@@ -250,7 +294,7 @@ static PyObject *py_supported(PyObject *self, PyObject *unused)
 
 static PyMethodDef methods[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
-     "y = x @ W.T + b over packed grouped int8 weights (addresses as ints)."},
+     "y = x @ W.T + b over packed grouped 8- or 4-bit weights (addresses as ints)."},
     {"supported", py_supported, METH_NOARGS, "This CPU has AVX2 and FMA."},
     {NULL, NULL, 0, NULL},
 };

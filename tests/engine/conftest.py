@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from mooncake_server.engine.attention import register_paged_attention
+from mooncake_testkit.quality import q4_1
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +23,15 @@ def tiny_model_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
     paged = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=register_paged_attention())
     paged.load_state_dict(ref.state_dict())
     return ref, paged.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_model_pair(tiny_model_pair) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """tiny_model_pair with every linear's weights on a Q4_1 grid (as the bundled GGUF's are)."""
+    pair = tuple(copy.deepcopy(m) for m in tiny_model_pair)
+    for model in pair:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.copy_(q4_1(module.weight))
+    return pair

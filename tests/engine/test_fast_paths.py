@@ -17,7 +17,7 @@ from mooncake_server.engine.llama_stack import LlamaStack, supports
 from mooncake_server.engine.model_runner import ModelRunner, StepItem, packed_forward
 from mooncake_server.engine.sequence import Sequence
 from mooncake_server.engine.vnni_linear import vnni_supported
-from mooncake_server.engine.w8_linear import w8_supported
+from mooncake_server.engine.w8_linear import W8Linear, w8_supported
 from mooncake_server.wire.jobs import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
@@ -103,7 +103,7 @@ def test_colocated_prompt_chunks_are_capped_while_sequences_decode(tiny_model_pa
     assert out_long == hf_greedy(tiny_model_pair[0], long, 3)
 
 
-def _greedy_with_linears(tiny_model_pair, dtype: torch.dtype, quantization: str) -> None:
+def _greedy_with_linears(tiny_model_pair, dtype: torch.dtype, quantization: str) -> LlamaStack:
     ref, paged = (copy.deepcopy(m).to(dtype) for m in tiny_model_pair)
     # HF runs the same kernels: the reference differs from ours only in attention, batching and
     # the fused qkv / gate|up linears (quantized per output channel, so fusing changes nothing).
@@ -118,6 +118,7 @@ def _greedy_with_linears(tiny_model_pair, dtype: torch.dtype, quantization: str)
     for n in (3, 18, 41):
         prompt = torch.randint(2, 250, (n,), generator=g).tolist()
         assert _runner_greedy(runner, prompt, 12) == hf_greedy(ref, prompt, 12)
+    return paged
 
 
 @pytest.mark.skipif(not bf16_packing_supported(), reason="this CPU/torch has no oneDNN bf16")
@@ -135,6 +136,14 @@ def test_int8_linears_greedy_equals_hf_with_the_same_quantization(tiny_model_pai
 def test_auto_kernel_greedy_equals_hf_with_the_same_kernel(tiny_model_pair) -> None:
     """--dtype auto: the weight-only int8 kernel in every linear, prompts and steps alike."""
     _greedy_with_linears(tiny_model_pair, torch.float32, "auto")
+
+
+@pytest.mark.skipif(not w8_supported(), reason="this CPU has no AVX2+FMA")
+def test_auto_on_a_q4_1_models_weights_runs_four_bits_and_matches_hf(tiny_q4_model_pair) -> None:
+    """The bundled model's case: every linear on a 4-bit grid runs from nibbles."""
+    paged = _greedy_with_linears(tiny_q4_model_pair, torch.float32, "auto")
+    bits = {m.bits for m in paged.modules() if isinstance(m, W8Linear)}
+    assert bits == {4}
 
 
 @pytest.mark.skipif(not vnni_supported(), reason="this CPU has no AVX512-VNNI")
@@ -176,10 +185,12 @@ def _logits_alone_and_batched(runner: ModelRunner, prompts: list[list[int]]) -> 
 
 
 @pytest.mark.skipif(not w8_supported(), reason="this CPU has no AVX2+FMA")
-def test_auto_logits_do_not_depend_on_what_shares_the_step(tiny_model_pair) -> None:
+@pytest.mark.parametrize("pair", ["tiny_model_pair", "tiny_q4_model_pair"])
+def test_auto_logits_do_not_depend_on_what_shares_the_step(pair: str, request) -> None:
     """A request's greedy answer in the default mode is the same alone or in any batch: every
-    row of auto's linears is summed in one fixed order (float32's BLAS is not: docs/engine.md)."""
-    paged = packed_forward(copy.deepcopy(tiny_model_pair[1]))
+    row of auto's linears is summed in one fixed order (float32's BLAS is not: docs/engine.md),
+    from bytes or from 4-bit weights."""
+    paged = packed_forward(copy.deepcopy(request.getfixturevalue(pair)[1]))
     prepare_linears(paged, torch.float32, "auto")
     layout = KVLayout.from_model_config(paged.config, 4, torch.float32)
     runner = ModelRunner(paged, PagedKVCache(layout, num_blocks=200))
@@ -188,6 +199,28 @@ def test_auto_logits_do_not_depend_on_what_shares_the_step(tiny_model_pair) -> N
     alone, batched = _logits_alone_and_batched(runner, prompts)
     for a, b in zip(alone, batched):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.skipif(not w8_supported(), reason="this CPU has no AVX2+FMA")
+def test_auto_attends_decoding_rows_natively_and_agrees_with_the_gathered_path(
+        tiny_q4_model_pair) -> None:
+    """The default mode's decode attention reads the pool's blocks in one native call per layer
+    (each row's own tokens, no padding); its logits stay within float32 rounding of the torch
+    path's (gather + matmuls), at contexts across several blocks and a 256-token bucket."""
+    paged = packed_forward(copy.deepcopy(tiny_q4_model_pair[1]))
+    prepare_linears(paged, torch.float32, "auto")
+    layout = KVLayout.from_model_config(paged.config, 4, torch.float32)
+    native = ModelRunner(paged, PagedKVCache(layout, num_blocks=300))
+    gathered = ModelRunner(paged, PagedKVCache(layout, num_blocks=300))
+    gathered.native_decode = False
+    assert native.native_decode
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, 250, (n,), generator=g).tolist() for n in (3, 70, 261)]
+    a, b = _logits_alone_and_batched(native, prompts), _logits_alone_and_batched(gathered, prompts)
+    for mine, theirs in zip(a[1], b[1]):
+        for x, y in zip(mine, theirs):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+            assert int(x.argmax()) == int(y.argmax())
 
 
 def test_packed_bf16_linear_is_bit_identical_to_plain_bf16(tiny_model_pair) -> None:
