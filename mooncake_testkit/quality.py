@@ -160,13 +160,79 @@ def emulated(kernel: str, linear: nn.Linear) -> nn.Module:
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
+class ServedForward(nn.Module):
+    """The engine's own `--dtype auto` forward (ModelRunner: the lean stack, its native norms
+    and decode attention, 4-bit or grouped int8 linears) behind the two calls scoring makes of
+    an HF model: a forward over a whole window, and greedy `generate`."""
+
+    BLOCK_TOKENS = 16
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
+        from mooncake_server.engine.model_runner import ModelRunner, load_model
+
+        model = load_model(path, torch.float32, "auto")
+        layout = KVLayout.from_model_config(model.config, self.BLOCK_TOKENS, torch.float32)
+        self.runner = ModelRunner(model, PagedKVCache(layout, num_blocks=256))
+        self.linears_note = "engine forward, " + ", ".join(sorted(
+            {f"{getattr(m, 'bits', 8)}-bit groups" for m in model.modules()
+             if type(m).__name__ == "W8Linear"}))
+
+    def _sequence(self, ids: list[int], extra: int, score: bool) -> Any:
+        """A sequence of `ids` with blocks for `extra` more tokens."""
+        from mooncake_server.engine.sequence import Sequence
+        from mooncake_server.wire.jobs import SamplingParams
+
+        seq = Sequence("quality", list(ids), len(ids), SamplingParams(max_tokens=max(1, extra)),
+                       len(ids) + extra)
+        if score:
+            seq.prompt_logprobs = [None]
+        kv = self.runner.kv
+        seq.block_ids = kv.allocate(kv.layout.blocks_for(len(ids) + extra))
+        return seq
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> Any:
+        """Logits [1, L, vocab] of every position of the one row of `input_ids`."""
+        from types import SimpleNamespace
+
+        from mooncake_server.engine.model_runner import StepItem
+
+        seq = self._sequence(input_ids[0].tolist(), 0, score=True)
+        try:
+            logits = self.runner.step([StepItem(seq, len(seq.token_ids))])
+        finally:
+            self.runner.kv.free(seq.block_ids)
+        return SimpleNamespace(logits=logits[1:][None])  # row 0 repeats the last position
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **_: Any) -> torch.Tensor:
+        """Greedy: a prompt pass, then one decode step per new token (EOS does not stop it)."""
+        from mooncake_server.engine.model_runner import StepItem
+
+        seq = self._sequence(input_ids[0].tolist(), max_new_tokens, score=False)
+        try:
+            new = len(seq.token_ids)
+            for _ in range(max_new_tokens):
+                logits = self.runner.step([StepItem(seq, new)])
+                seq.num_computed += new
+                seq.token_ids.append(int(logits[0].argmax()))
+                new = 1
+        finally:
+            self.runner.kv.free(seq.block_ids)
+        return torch.tensor([seq.token_ids])
+
+
 def build_mode(path: str, mode: str) -> tuple[nn.Module, bool]:
     """The float32 HF model at `path` with `mode`'s kernels: (model, whether any is emulated).
 
-    "auto" is the server's own choice (prepare_linears), never emulated. Its description, and
+    "auto" is the server's own choice (prepare_linears) in HF's modules, never emulated;
+    "served" is the engine's whole default forward (ServedForward). Its description, and
     each mode's, is left in `model.linears_note`.
     """
     from transformers import AutoModelForCausalLM
+
+    if mode == "served":
+        return ServedForward(path), False
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     if mode == "auto":

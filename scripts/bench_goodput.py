@@ -3,6 +3,7 @@
 
   .venv/bin/python scripts/bench_goodput.py --out goodput/
   .venv/bin/python scripts/bench_goodput.py --scales 16,4 --systems all-slo,colocated
+  .venv/bin/python scripts/bench_goodput.py --bound-only   # the offline bound per rate alone
 
 The trace: the first --requests lines of traces/synthetic_trace.jsonl (the paper's synthetic
 trace, shipped) with each timestamp rounded down to its 3-second bucket, as
@@ -224,6 +225,8 @@ def main() -> None:
         p.add_argument("--colocated-args", default="")
         p.add_argument("--tf-args", default="")
         p.add_argument("--out", default="goodput")
+        p.add_argument("--bound-only", action="store_true",
+                       help="measure the idle costs on an all-slo server, print the bounds, stop")
 
     args, args.model, prompts = machine.one_server_bench(__doc__.splitlines()[0], "goodput-logs",
                                                     flags)
@@ -238,7 +241,12 @@ def main() -> None:
     scales = [float(x) for x in args.scales.split(",")]
     points: list[dict] = []
     bound: dict[str, Any] = {}
-    for scale in scales:
+    if args.bound_only:
+        with launch("all-slo", args, Path(args.logs) / "bound") as api:
+            api.prompts = prompts
+            asyncio.run(bs.warm_up(api, prompts, 128, args.request_timeout))
+            bound["costs"] = idle_costs(api, prompts)
+    for scale in [] if args.bound_only else scales:
         for system in args.systems.split(","):
             print(f"{system} at x{scale:g} ...", flush=True)
             try:
@@ -260,6 +268,8 @@ def main() -> None:
         print(f"idle costs: prefill {costs.pass_s * 1000:.0f} ms a pass + "
               f"{costs.token_s * 1000:.3f} ms/token + {costs.pair_s * 1e6:.4f} us/token^2; "
               f"decode step {costs.step_s * 1000:.1f} ms + {costs.row_s * 1000:.2f} ms/row")
+        print("offline bound: " + ", ".join(f"x{s:g} ({rate:.2f} req/s) {b:.0%}"
+                                            for s, (rate, b) in zip(scales, bounds.items())))
     print(f"{'system':<10}{'scale':>6}{'req/s':>7}{'all%':>6}{'acc%':>6}{'429':>5}{'late':>5}"
           f"{'TTFT p90':>9}{'TBT p90':>8}{'ttft m/e p50':>13}{'p90':>6}{'bound%':>7}"
           f"{'of bound':>9}")
@@ -281,8 +291,9 @@ def main() -> None:
         {"cpu": machine.cpu_info(), "trace": args.trace, "requests": len(trace),
          "bucket_ms": BUCKET_MS, "points": points, "bounds": bounds, "goodput": goodput,
          "costs": dataclasses.asdict(costs) if costs else None}, indent=1))
-    plot(points, bounds, out / "goodput.png")
-    print(f"wrote {out / 'goodput.json'} and {out / 'goodput.png'}")
+    if points:
+        plot(points, bounds, out / "goodput.png")
+    print(f"wrote {out / 'goodput.json'}{' and goodput.png' if points else ''} to {out}")
 
 
 if __name__ == "__main__":

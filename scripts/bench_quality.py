@@ -3,7 +3,9 @@
 
   .venv/bin/python scripts/bench_quality.py [--modes auto,int8,...] [--quick] [--json PATH]
 
-Every mode (each kernel of linears.KERNELS, and `auto`, the server's default) is scored against
+Every mode (each kernel of linears.KERNELS, `auto`, the server's default kernel in HF's modules,
+and `served`, the engine's whole default forward as it serves: its norms, decode attention and
+linears) is scored against
 float32 on fixed windows of The Devil's Dictionary (mooncake_testkit/data): perplexity and its
 ratio to float32's, mean and p99 KL(float32 || mode) per position, top-1 agreement; then greedy
 continuations of prompts from the same text, counted identical to float32's or not. Kernels
@@ -35,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     """Flags; --quick overrides the sizes."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--model", default=None, help="HF model folder (default: the bundled model)")
-    p.add_argument("--modes", default=",".join([*KERNELS, "auto"]),
+    p.add_argument("--modes", default=",".join([*KERNELS, "auto", "served"]),
                    help="comma-separated modes (float32, the reference, is always scored)")
     # Defaults sized to ~15 minutes on 2 cores (AVX2 EPYC): 40 x 511 = 20,440 scored positions;
     # 16 prompts (not 64) because greedy decoding of 7 modes dominates the time otherwise.

@@ -58,7 +58,10 @@ def model_path() -> str:
     return resolve_model(None)
 
 
-def test_auto_scores_like_float32(model_path: str) -> None:
+@pytest.mark.parametrize("mode", ["auto", "served"])
+def test_auto_scores_like_float32(model_path: str, mode: str) -> None:
+    """The default kernel in HF's modules, and the engine's whole default forward (its native
+    norms and 4-bit linears), stay within auto's bounds of float32."""
     from transformers import AutoTokenizer
 
     tokens = q.load_text_tokens(AutoTokenizer.from_pretrained(model_path))
@@ -67,7 +70,7 @@ def test_auto_scores_like_float32(model_path: str) -> None:
     ref_model, _ = q.build_mode(model_path, "float32")
     ref = q.teacher_forced(ref_model, wins)
     del ref_model
-    auto_model, emulated = q.build_mode(model_path, "auto")
+    auto_model, emulated = q.build_mode(model_path, mode)
     assert not emulated
     s = q.compare(ref, q.teacher_forced(auto_model, wins), wins)
     assert s.positions == 2 * 255
