@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
+import math
 import json
 import shlex
 import statistics
@@ -129,6 +130,10 @@ def idle_costs(api: bs.Api, prompts: bs.Prompts) -> gb.Costs:
                 decode.append((rows, statistics.median(gaps)))
             return prefill, decode
     prefill, decode = asyncio.run(measure())
+    # A prompt refused or failed has no time (inf): fit the ones that answered.
+    prefill = [(n, t) for n, t in prefill if math.isfinite(t)]
+    if len(prefill) < 2:
+        raise RuntimeError(f"the idle server answered {len(prefill)} of the bound's prompts")
     return gb.Costs(*gb.fit_prefill(prefill), *gb.fit_decode(decode))
 
 

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from mooncake_server.engine.kv_cache import KVLayout
+
 try:
     from mooncake_server.engine import _paged_decode  # type: ignore[attr-defined]
 except ImportError:  # built only on x86-64
@@ -73,9 +75,14 @@ class NativeDecode:
     layers: int
 
 
-def native_decode_supported() -> bool:
-    """The native decode kernel is built here (x86-64; it runs where AVX2+FMA does)."""
-    return _paged_decode is not None
+NATIVE_MAX_HEAD_DIM = 256  # paged_decode.c's MAX_D
+
+
+def native_decode_supported(layout: KVLayout) -> bool:
+    """The native decode kernel is built here (x86-64; it runs where AVX2+FMA does) and takes
+    this pool: float32, heads of whole 8-float vectors up to NATIVE_MAX_HEAD_DIM."""
+    return (_paged_decode is not None and layout.dtype == torch.float32
+            and layout.head_dim % 8 == 0 and layout.head_dim <= NATIVE_MAX_HEAD_DIM)
 
 
 @dataclass(frozen=True)

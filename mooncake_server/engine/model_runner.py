@@ -86,7 +86,7 @@ class ModelRunner:
         self.layout: KVLayout = kv.layout
         # `--dtype auto`'s forward attends its decoding rows natively in one fixed order.
         self.native_decode = (isinstance(self.model, LlamaStack) and self.model.fixed_order
-                              and kv.layout.dtype == torch.float32 and native_decode_supported())
+                              and native_decode_supported(kv.layout))
         self.cores = cores or FixedThreads(None)
         # The last pass's wait for its turn on the cores and its own time after it: a token gap
         # is one plus the other, and only the second scales with the batch.

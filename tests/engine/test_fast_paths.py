@@ -202,6 +202,40 @@ def test_auto_logits_do_not_depend_on_what_shares_the_step(pair: str, request) -
 
 
 @pytest.mark.skipif(not w8_supported(), reason="this CPU has no AVX2+FMA")
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("head_dim", [16, 12])
+def test_each_lean_architecture_in_auto_greedy_equals_hf_with_the_same_kernel(
+        arch: str, head_dim: int) -> None:
+    """Models other than the default keep working in the default mode: each architecture the
+    lean stack covers (qwen2's qkv biases included), with heads the native decode takes (16)
+    and heads it leaves to the gathered path (12), greedy-equal to HF on the same kernel."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mooncake_server.engine.attention import register_paged_attention
+    from mooncake_testkit.quality import q4_1
+
+    heads = 4
+    cfg = AutoConfig.for_model(arch, vocab_size=256, hidden_size=heads * head_dim * 2,
+                               intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=heads * 2, num_key_value_heads=2,
+                               max_position_embeddings=512, sliding_window=None,
+                               bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(4)
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for module in ref.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(q4_1(module.weight))
+    paged = AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                             attn_implementation=register_paged_attention())
+    paged.load_state_dict(ref.state_dict())
+    stack = _greedy_with_linears((ref, paged.eval()), torch.float32, "auto")
+    runner = ModelRunner(stack, PagedKVCache(KVLayout.from_model_config(stack.config, 4,
+                                                                        torch.float32), num_blocks=50))
+    assert runner.native_decode == (head_dim % 8 == 0)
+
+
+@pytest.mark.skipif(not w8_supported(), reason="this CPU has no AVX2+FMA")
 def test_auto_attends_decoding_rows_natively_and_agrees_with_the_gathered_path(
         tiny_q4_model_pair) -> None:
     """The default mode's decode attention reads the pool's blocks in one native call per layer
