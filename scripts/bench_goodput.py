@@ -35,8 +35,8 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
-import math
 import json
+import math
 import shlex
 import statistics
 import sys
