@@ -195,6 +195,15 @@ class ModelRunner:
         runs = per_layer((blocks * runs_per_block + head_runs).view(-1), layers, 2 * kvh)
         return DecodeGroup(start, len(tables), runs, bias)
 
+    @staticmethod
+    def _native_decode(tables: list[list[int]], lens: list[int], layers: int) -> NativeDecode:
+        """The decoding rows' block tables for the native kernel (short ones padded with a
+        valid block it never reads)."""
+        width = max(len(t) for t in tables)
+        padded = [t + [t[0]] * (width - len(t)) for t in tables]
+        return NativeDecode(torch.tensor(padded, dtype=torch.long),
+                            torch.tensor(lens, dtype=torch.int32), layers)
+
     def _plan(self, items: Seq[StepItem], on_layer: Callable[[int], None] | None,
               ) -> tuple[AttentionPlan, list[int], list[int], list[int]]:
         """Pack the batch (decoding sequences first, then prompt chunks) and index its KV."""
@@ -235,22 +244,20 @@ class ModelRunner:
                 lens.append(pos + 1)
                 last_rows[i] = row
             if self.native_decode:
-                width = max(len(t) for t in tables)
-                padded = [t + [t[0]] * (width - len(t)) for t in tables]
-                native = NativeDecode(torch.tensor(padded, dtype=torch.long),
-                                      torch.tensor(lens, dtype=torch.int32), layers)
-                decode = DecodeBatch(size=len(decodes), groups=[], native=native)
-            groups: list[DecodeGroup] = []
-            start = 0
-            while decode is None and start < len(tables):
-                width = decode_width(len(tables[start]), bt)
-                end = start
-                while end < len(tables) and decode_width(len(tables[end]), bt) == width:
-                    end += 1
-                groups.append(self._decode_group(tables[start:end], lens[start:end], start,
-                                                 width, runs_per_block, head_runs, layers))
-                start = end
-            decode = decode or DecodeBatch(size=len(decodes), groups=groups)
+                decode = DecodeBatch(size=len(decodes), groups=[],
+                                     native=self._native_decode(tables, lens, layers))
+            else:
+                groups: list[DecodeGroup] = []
+                start = 0
+                while start < len(tables):
+                    width = decode_width(len(tables[start]), bt)
+                    end = start
+                    while end < len(tables) and decode_width(len(tables[end]), bt) == width:
+                        end += 1
+                    groups.append(self._decode_group(tables[start:end], lens[start:end], start,
+                                                     width, runs_per_block, head_runs, layers))
+                    start = end
+                decode = DecodeBatch(size=len(decodes), groups=groups)
         slot_parts = [torch.tensor(slots, dtype=torch.long)] if slots else []
         prompt_slices: list[PromptSlice] = []
         for i in prompts:

@@ -105,8 +105,8 @@ def four_bit_groups(weight: torch.Tensor,
             levels[hit] = q[good].to(torch.uint8)
             scale[hit] = st[good]
             todo[hit] = False
-            if top == 15 and not _at_most_16_values(w[todo.nonzero(as_tuple=True)]):
-                return None  # no grid of 16 levels holds these groups (int8 GGUF tensors)
+        if top == 15 and not _at_most_16_values(w[todo.nonzero(as_tuple=True)]):
+            return None  # no grid of 16 levels holds these groups (int8 GGUF tensors)
     return (levels.view(n, k), scale, lo) if not todo.any() else None
 
 
