@@ -61,9 +61,11 @@ def linear_extensions() -> list[object]:
         f"mooncake_server.engine._{name}",
         sources=[str(NATIVE / "linear" / f"{name}.c")],
         depends=[str(NATIVE / "linear" / "lanes.h")],
-        extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", *WARNINGS, "-fvisibility=hidden"],
+        extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", *WARNINGS, "-fvisibility=hidden",
+                            # row_ops' rope gives torch's bits: a product and a sum, never fused
+                            *(["-ffp-contract=off"] if name == "row_ops" else [])],
         extra_link_args=["-fopenmp"],
-    ) for name in ("int8_vnni", "w8_group", "row_norm", "paged_decode")]
+    ) for name in ("int8_vnni", "w8_group", "row_norm", "row_ops", "paged_decode")]
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@ a flat sequence of calls:
 - rope is applied to q and k heads in one pass; RMSNorm uses torch's fused kernel in float32
   (bit-identical to HF's there) and HF's own module in other dtypes; where the linears run
   `--dtype auto`'s fixed-order kernel, the norms run a fixed-order one too (row_norm.py);
-- the packed batch stays 2-D [tokens, hidden]: no batch dimension, no per-layer mask.
+- the packed batch stays 2-D [tokens, hidden]: no batch dimension, no per-layer mask;
+- where every linear of a layer runs the fixed-order kernel (`--dtype auto`), rope runs in place
+  on the qkv output and SiLU-and-mul in one pass (row_ops.py), and the output projections add
+  their result into the residual stream in place (`_forward_fused`): same math, ~10 fewer ops a
+  layer, which on a one-token step is most of what is left outside the kernels.
 
 Architectures whose layers carry more than this (q/k norms, sliding windows, logit soft-capping,
 embedding multipliers) keep HF's forward with our attention plugged in (`supports`).
@@ -33,6 +37,7 @@ from torch import nn
 from mooncake_server.engine.attention import AttentionPlan, attend
 from mooncake_server.engine.linears import direct_call
 from mooncake_server.engine.row_norm import row_norm_call, row_norm_fits
+from mooncake_server.engine.row_ops import rope_, rope_fits, silu_mul, silu_mul_fits
 from mooncake_server.engine.w8_linear import W8Linear
 
 # model_type -> the layer shape this forward reproduces exactly
@@ -93,16 +98,24 @@ class LlamaLayer(nn.Module):
     def bind(self) -> None:
         """Resolve what each of this layer's calls runs, once its kernels are final."""
         fixed = isinstance(self.qkv, W8Linear)
+        # Fixed order all through: rope and SiLU-and-mul in one native pass each, and the
+        # residual added by the output projections' kernel (one op and one tensor fewer each).
+        fused = (fixed and isinstance(self.o_proj, W8Linear) and isinstance(self.down, W8Linear)
+                 and rope_fits(self.head_dim) and silu_mul_fits(self.down.in_features))
         self.calls = _LayerCalls(
             norm_in=_norm_call(self.input_norm, fixed), qkv=direct_call(self.qkv),
             o_proj=direct_call(self.o_proj), norm_post=_norm_call(self.post_norm, fixed),
-            gate_up=direct_call(self.gate_up), down=direct_call(self.down))
+            gate_up=direct_call(self.gate_up), down=direct_call(self.down),
+            o_add=self.o_proj.add_into if fused else None,  # type: ignore[operator]
+            down_add=self.down.add_into if fused else None)  # type: ignore[operator]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 plan: AttentionPlan) -> torch.Tensor:
         """x [T, hidden] -> x after attention and MLP (residuals added)."""
         c = self.calls
         assert c is not None, "LlamaStack.bind() resolves the layers' calls"
+        if c.o_add is not None:
+            return self._forward_fused(x, cos, sin, plan)
         tokens, heads, head_dim = x.shape[0], self.heads, self.head_dim
         qkv = c.qkv(c.norm_in(x))
         rotated = heads + self.kv_heads
@@ -115,6 +128,22 @@ class LlamaLayer(nn.Module):
         x = x + c.o_proj(out.view(tokens, -1))
         gate, up = c.gate_up(c.norm_post(x)).chunk(2, dim=-1)
         return x + c.down(F.silu(gate) * up)
+
+    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       plan: AttentionPlan) -> torch.Tensor:
+        """`forward` with native rope and SiLU-and-mul, the residual added in place by the
+        output projections (x is updated and returned)."""
+        c = self.calls
+        assert c is not None and c.o_add is not None and c.down_add is not None
+        tokens, heads, head_dim, kv_heads = x.shape[0], self.heads, self.head_dim, self.kv_heads
+        qkv = c.qkv(c.norm_in(x))
+        rope_(qkv, heads + kv_heads, cos, sin)
+        q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+        out = attend(plan, self.layer_idx, qkv[:, :q_end].view(tokens, heads, head_dim),
+                     qkv[:, q_end:k_end].view(tokens, kv_heads, head_dim),
+                     qkv[:, k_end:].view(tokens, kv_heads, head_dim), self.scale)
+        c.o_add(out.view(tokens, -1), x)
+        return c.down_add(silu_mul(c.gate_up(c.norm_post(x))), x)
 
 
 @dataclass(frozen=True)
@@ -131,6 +160,9 @@ class _LayerCalls:
     norm_post: Callable[[torch.Tensor], torch.Tensor]
     gate_up: Callable[[torch.Tensor], torch.Tensor]
     down: Callable[[torch.Tensor], torch.Tensor]
+    # residual += o_proj(h) / down(h) in place: set where the layer runs `_forward_fused`
+    o_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    down_add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def _norm_call(norm: nn.Module, fixed_order: bool) -> Callable[[torch.Tensor], torch.Tensor]:

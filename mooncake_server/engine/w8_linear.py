@@ -180,8 +180,18 @@ class W8Linear(nn.Module):
         y = torch.empty(rows.shape[0], self.out_features)
         packed, scale, offset, n, bias, bits = self._args
         _w8_group.linear(rows.data_ptr(), rows.shape[0], self.in_features, packed, scale, offset,
-                         n, bias, y.data_ptr(), bits)
+                         n, bias, y.data_ptr(), bits, 0)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def add_into(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += self(x), in place and with the same bits as `residual + self(x)`
+        (residual: contiguous float32 [rows, out_features])."""
+        rows = x.reshape(-1, self.in_features).contiguous()
+        assert residual.is_contiguous() and residual.shape == (rows.shape[0], self.out_features)
+        packed, scale, offset, n, bias, bits = self._args
+        _w8_group.linear(rows.data_ptr(), rows.shape[0], self.in_features, packed, scale, offset,
+                         n, bias, residual.data_ptr(), bits, 1)
+        return residual
 
 
 def _padded_rows(t: torch.Tensor, n: int) -> torch.Tensor:

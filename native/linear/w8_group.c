@@ -39,6 +39,9 @@
 #define SLAB_N 48 /* channels dequantized at once for many rows (a multiple of WIDE_N) */
 #define NARROW_ROWS 4 /* up to this many rows, weights are dequantized in registers */
 
+/* An output: v, or the residual already in *y plus v (torch's `x + linear(h)`: one rounding). */
+static inline void put(float *y, float v, int add) { *y = add ? *y + v : v; }
+
 /* The weights of `BLOCK_N` channels for inputs [k, k+8): q * s + m per lane. */
 TARGET static inline __m256 weights(const uint8_t *q, __m256 s, __m256 m)
 {
@@ -69,7 +72,7 @@ TARGET static inline void fma_rows(const float *x, int k, int rows, const __m256
  * arithmetic is the same whatever `rows` is: the compiler unrolls per `rows`, nothing else. */
 TARGET static inline void tile(const float *x, int k, int rows, const uint8_t *qb,
                                const float *sb, const float *mb, const float *bias, float *y,
-                               int n, int b, int bits)
+                               int n, int b, int bits, int add)
 {
     __m256 acc[TILE_M][BLOCK_N];
     for (int r = 0; r < TILE_M; r++)
@@ -102,16 +105,17 @@ TARGET static inline void tile(const float *x, int k, int rows, const uint8_t *q
         for (int c = 0; c < BLOCK_N; c++) {
             const int ch = b * BLOCK_N + c;
             if (ch < n)
-                y[(size_t)r * n + ch] = lanes_sum(acc[r][c]) + (bias ? bias[ch] : 0.0f);
+                put(y + (size_t)r * n + ch, lanes_sum(acc[r][c]) + (bias ? bias[ch] : 0.0f), add);
         }
 }
 
 /* The tile for a full TILE_M rows and for 1..3 rows, from bytes or nibbles: each a constant row
  * count and width, unrolled. */
 TARGET static void tile_rows(const float *x, int k, int rows, const uint8_t *qb, const float *sb,
-                             const float *mb, const float *bias, float *y, int n, int b, int bits)
+                             const float *mb, const float *bias, float *y, int n, int b, int bits,
+                             int add)
 {
-#define TILE(R, B) tile(x, k, R, qb, sb, mb, bias, y, n, b, B)
+#define TILE(R, B) tile(x, k, R, qb, sb, mb, bias, y, n, b, B, add)
     if (bits == 4) {
         switch (rows) {
         case 4: TILE(4, 4); break;
@@ -155,7 +159,7 @@ TARGET static void dequantize(const uint8_t *qb, const float *sb, const float *m
 /* rows x chans outputs from dequantized weights `w` (chans rows of k floats, channel-major):
  * per output, lane-wise fma over k ascending, then lanes_sum, then the bias - as `tile`. */
 TARGET static inline void wide_tile(const float *x, int k, int rows, const float *w, int chans,
-                                    const float *bias, float *y, int n, int ch0)
+                                    const float *bias, float *y, int n, int ch0, int add)
 {
     __m256 acc[TILE_M][WIDE_N];
     for (int r = 0; r < TILE_M; r++)
@@ -173,14 +177,15 @@ TARGET static inline void wide_tile(const float *x, int k, int rows, const float
     }
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chans; c++)
-            y[(size_t)r * n + ch0 + c] = lanes_sum(acc[r][c]) + (bias ? bias[ch0 + c] : 0.0f);
+            put(y + (size_t)r * n + ch0 + c, lanes_sum(acc[r][c]) + (bias ? bias[ch0 + c] : 0.0f),
+                add);
 }
 
 /* wide_tile with constant shapes, so each is unrolled with its accumulators in registers. */
 TARGET static void wide_rows(const float *x, int k, int rows, const float *w, int chans,
-                             const float *bias, float *y, int n, int ch0)
+                             const float *bias, float *y, int n, int ch0, int add)
 {
-#define WIDE(R, C) wide_tile(x, k, R, w, C, bias, y, n, ch0)
+#define WIDE(R, C) wide_tile(x, k, R, w, C, bias, y, n, ch0, add)
     if (chans == WIDE_N) {
         switch (rows) {
         case 4: WIDE(4, 3); break;
@@ -192,14 +197,15 @@ TARGET static void wide_rows(const float *x, int k, int rows, const float *w, in
         for (int c = 0; c < chans; c++)
             for (int r = 0; r < rows; r++)
                 wide_tile(x + (size_t)r * k, k, 1, w + (size_t)c * k, 1, bias, y + (size_t)r * n,
-                          n, ch0 + c);
+                          n, ch0 + c, add);
     }
 #undef WIDE
 }
 
 /* Few rows: each weight byte is read once and turned into a float in registers. */
 TARGET static void narrow(const float *x, int m, int k, const uint8_t *q, const float *scale,
-                          const float *offset, int n, const float *bias, float *y, int bits)
+                          const float *offset, int n, const float *bias, float *y, int bits,
+                          int add)
 {
     const int blocks = (n + BLOCK_N - 1) / BLOCK_N;
 #pragma omp parallel for schedule(static)
@@ -210,14 +216,14 @@ TARGET static void narrow(const float *x, int m, int k, const uint8_t *q, const 
         for (int r0 = 0; r0 < m; r0 += TILE_M) {
             const int rows = m - r0 < TILE_M ? m - r0 : TILE_M;
             tile_rows(x + (size_t)r0 * k, k, rows, qb, sb, mb, bias, y + (size_t)r0 * n, n, b,
-                      bits);
+                      bits, add);
         }
     }
 }
 
 /* Many rows: a slab of channels is dequantized once, then every row passes over it. */
 TARGET static int wide(const float *x, int m, int k, const uint8_t *q, const float *scale,
-                       const float *offset, int n, const float *bias, float *y, int bits)
+                       const float *offset, int n, const float *bias, float *y, int bits, int add)
 {
     const int slabs = (n + SLAB_N - 1) / SLAB_N;
     int failed = 0;
@@ -242,7 +248,7 @@ TARGET static int wide(const float *x, int m, int k, const uint8_t *q, const flo
                 for (int c0 = 0; c0 < chans; c0 += WIDE_N) {
                     const int cc = chans - c0 < WIDE_N ? chans - c0 : WIDE_N;
                     wide_rows(x + (size_t)r0 * k, k, rows, w + (size_t)c0 * k, cc, bias,
-                              y + (size_t)r0 * n, n, ch0 + c0);
+                              y + (size_t)r0 * n, n, ch0 + c0, add);
                 }
             }
         }
@@ -251,22 +257,22 @@ TARGET static int wide(const float *x, int m, int k, const uint8_t *q, const flo
     return failed;
 }
 
-/* linear(x, m, k, q, scale, offset, n, bias, y, bits): addresses as ints, bias 0 for none,
- * bits 8 (bytes) or 4 (nibbles). */
+/* linear(x, m, k, q, scale, offset, n, bias, y, bits, add): addresses as ints, bias 0 for none,
+ * bits 8 (bytes) or 4 (nibbles); add 1: y += x @ W.T + b (y holds the residual), else y =. */
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError, "linear takes 10 arguments");
+    if (nargs != 11) {
+        PyErr_SetString(PyExc_TypeError, "linear takes 11 arguments");
         return NULL;
     }
-    void *p[10];
-    for (int i = 0; i < 10; i++) {
+    void *p[11];
+    for (int i = 0; i < 11; i++) {
         p[i] = PyLong_AsVoidPtr(args[i]);
         if (PyErr_Occurred())
             return NULL;
     }
     const int m = (int)(intptr_t)p[1], k = (int)(intptr_t)p[2], n = (int)(intptr_t)p[6];
-    const int bits = (int)(intptr_t)p[9];
+    const int bits = (int)(intptr_t)p[9], add = p[10] != NULL;
     if (m < 0 || k <= 0 || k % GROUP || n <= 0 || (bits != 4 && bits != 8)) {
         PyErr_SetString(PyExc_ValueError, "bad linear shape");
         return NULL;
@@ -276,9 +282,9 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     if (m <= NARROW_ROWS)
-        narrow(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8], bits);
+        narrow(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8], bits, add);
     else
-        failed = wide(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8], bits);
+        failed = wide(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8], bits, add);
     Py_END_ALLOW_THREADS
     if (failed)
         return PyErr_NoMemory();
