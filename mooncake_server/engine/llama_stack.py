@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mooncake_server.engine.attention import AttentionPlan, attend
+from mooncake_server.engine.decode_calls import DecodeCalls
 from mooncake_server.engine.linears import direct_call
 from mooncake_server.engine.row_norm import row_norm_call, row_norm_fits
 from mooncake_server.engine.row_ops import rope_, rope_fits, silu_mul, silu_mul_fits
@@ -196,6 +197,7 @@ class LlamaStack(nn.Module):
         self.lm_head = model.lm_head
         self._final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.fixed_order = False  # every linear runs the fixed-order kernel (set by bind)
+        self.decode_calls: DecodeCalls | None = None
 
     def bind(self) -> None:
         """Resolve every layer's calls; run once the linears' kernels are final (ModelRunner)."""
@@ -204,6 +206,9 @@ class LlamaStack(nn.Module):
         self.fixed_order = isinstance(self.lm_head, W8Linear) and all(
             isinstance(layer.qkv, W8Linear) for layer in self.layers)
         self._final_norm = _norm_call(self.norm, self.fixed_order)
+        calls = DecodeCalls(self) if self.fixed_order else None
+        # pure decode passes as direct native calls (None: every pass runs the layers)
+        self.decode_calls = calls if calls is not None and calls.usable else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, last_rows: torch.Tensor,
                 plan: AttentionPlan) -> torch.Tensor:
@@ -218,6 +223,10 @@ class LlamaStack(nn.Module):
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         assert self._final_norm is not None, "bind() resolves the calls (ModelRunner does)"
-        for layer in self.layers:
-            x = layer.forward(x, cos, sin, plan)
+        calls = self.decode_calls
+        if calls is not None and calls.fits(plan, x.shape[0]):
+            x = calls.run(x, cos, sin, plan)
+        else:
+            for layer in self.layers:
+                x = layer.forward(x, cos, sin, plan)
         return self.lm_head(self._final_norm(x.index_select(0, last_rows)))

@@ -9,13 +9,15 @@
  *   (llama_stack.py): x * cos + swap_halves(x) * sin, the same two products and one sum per
  *   element as torch's ops, so the same bits (built with -ffp-contract=off: never an fma);
  * - silu_mul(gate|up): silu(g) * u = g / (1 + exp(-g)) * u with lanes.h's exp: per element, so
- *   a row's result does not depend on the rows beside it, the thread count or the CPU.
+ *   a row's result does not depend on the rows beside it, the thread count or the CPU;
+ * - kv_write: the new tokens' K and V heads copied to their pool rows (index_copy_'s work).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "lanes.h"
 
@@ -59,6 +61,38 @@ TARGET static void silu_mul(const float *gu, long rows, long inter, float *out)
                                                   _mm256_loadu_ps(u + i)));
         }
     }
+}
+
+/* kv_write(src, tokens, src_stride, kv_heads, d, k_off, v_off, pool_rows, slots): addresses
+ * as ints; each token's K heads (at float k_off of its row, rows `src_stride` floats apart) and
+ * V heads (at v_off) copied to pool rows slots[i] and slots[n + i] of d floats, i = token *
+ * kv_heads + head, n = tokens * kv_heads (slots int64, attention.py's slot_rows of a layer). */
+static PyObject *py_kv_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "kv_write takes 9 arguments");
+        return NULL;
+    }
+    const float *src = PyLong_AsVoidPtr(args[0]);
+    const long tokens = PyLong_AsLong(args[1]), stride = PyLong_AsLong(args[2]);
+    const long kv_heads = PyLong_AsLong(args[3]), d = PyLong_AsLong(args[4]);
+    const long k_off = PyLong_AsLong(args[5]), v_off = PyLong_AsLong(args[6]);
+    float *rows = PyLong_AsVoidPtr(args[7]);
+    const int64_t *slots = PyLong_AsVoidPtr(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (tokens < 0 || kv_heads <= 0 || d <= 0 || k_off < 0 || v_off < 0
+        || k_off + kv_heads * d > stride || v_off + kv_heads * d > stride) {
+        PyErr_SetString(PyExc_ValueError, "bad kv_write shape");
+        return NULL;
+    }
+    const long n = tokens * kv_heads;
+    for (long i = 0; i < n; i++) {
+        const float *row = src + (i / kv_heads) * stride + (i % kv_heads) * d;
+        memcpy(rows + slots[i] * d, row + k_off, (size_t)d * sizeof(float));
+        memcpy(rows + slots[n + i] * d, row + v_off, (size_t)d * sizeof(float));
+    }
+    Py_RETURN_NONE;
 }
 
 /* rope(x, rows, row_stride, heads, d, cos, sin): addresses as ints; the first `heads` heads
@@ -114,6 +148,8 @@ static PyMethodDef methods[] = {
      "Rotate q/k heads in place: x * cos + swap_halves(x) * sin (addresses as ints)."},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL,
      "out = silu(gate) * up per row of gate|up (addresses as ints)."},
+    {"kv_write", (PyCFunction)(void (*)(void))py_kv_write, METH_FASTCALL,
+     "Copy new tokens' K and V heads to their pool rows (addresses as ints)."},
     {NULL, NULL, 0, NULL},
 };
 

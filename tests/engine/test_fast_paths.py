@@ -257,6 +257,38 @@ def test_auto_attends_decoding_rows_natively_and_agrees_with_the_gathered_path(
             assert int(x.argmax()) == int(y.argmax())
 
 
+@pytest.mark.skipif(not w8_supported(), reason="this CPU has no AVX2+FMA")
+def test_direct_decode_calls_give_the_layers_bits(tiny_q4_model_pair) -> None:
+    """A pure decode pass runs as direct native calls (decode_calls.py) with the very bits of
+    the layer-by-layer forward, alone and batched; each layer's K/V hook still fires in order."""
+    paged = packed_forward(copy.deepcopy(tiny_q4_model_pair[1]))
+    prepare_linears(paged, torch.float32, "auto")
+    layout = KVLayout.from_model_config(paged.config, 4, torch.float32)
+    runner = ModelRunner(paged, PagedKVCache(layout, num_blocks=300))
+    calls = runner.model.decode_calls
+    assert calls is not None
+    used: list[int] = []
+    run = calls.run
+    calls.run = lambda *a: used.append(1) or run(*a)  # type: ignore[method-assign]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 250, (n,), generator=g).tolist() for n in (3, 70, 20)]
+    direct = _logits_alone_and_batched(runner, prompts)
+    assert len(used) == 3 * 4  # every decode step of the 3 alone and the batch
+    runner.model.decode_calls = None
+    layered = _logits_alone_and_batched(runner, prompts)
+    for mine, theirs in zip(direct[0] + direct[1], layered[0] + layered[1]):
+        assert all(torch.equal(x, y) for x, y in zip(mine, theirs))
+    runner.model.decode_calls = calls
+    seq = _seq(runner.kv, "hook", prompts[0])
+    seq.block_ids += runner.kv.allocate(2)
+    runner.step([StepItem(seq, len(prompts[0]))])
+    seq.num_computed = len(prompts[0])
+    seq.token_ids.append(7)
+    seen: list[int] = []
+    runner.step([StepItem(seq, 1)], on_layer=seen.append)
+    assert seen == list(range(paged.config.num_hidden_layers)) and len(used) == 13
+
+
 def test_packed_bf16_linear_is_bit_identical_to_plain_bf16(tiny_model_pair) -> None:
     """Prepacking changes the weight's layout, never a result."""
     if not bf16_packing_supported():
