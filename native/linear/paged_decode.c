@@ -147,10 +147,17 @@ static inline const float *tokens_at(const Plan *p, int r, int kv, int h, int t)
  * the sum in token order (8 lanes, then lanes_sum, then the tail). */
 TARGET static void exp_span(float *s, int n, float *part)
 {
-    float top = -INFINITY;
-    for (int t = 0; t < n; t++)
-        top = s[t] > top ? s[t] : top;
     const int whole = n / 8 * 8;
+    /* the max in 8 lanes (a max is exact in any order; a NaN score is passed over) */
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    for (int t = 0; t < whole; t += 8)
+        top8 = _mm256_max_ps(_mm256_loadu_ps(s + t), top8);
+    float lanes[8], top = -INFINITY;
+    _mm256_storeu_ps(lanes, top8);
+    for (int i = 0; i < 8; i++)
+        top = lanes[i] > top ? lanes[i] : top;
+    for (int t = whole; t < n; t++)
+        top = s[t] > top ? s[t] : top;
     __m256 sum8 = _mm256_setzero_ps();
     for (int t = 0; t < whole; t += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top)));
