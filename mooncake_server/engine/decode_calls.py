@@ -4,9 +4,10 @@ Once every kernel of a layer is native (fixed-order linears and norms, row_ops, 
 decode attention), what is left of a one-token step outside them is Python and torch's per-op
 work around each call: reshapes, new output tensors, index_copy_ for the new K/V, views. On the
 bundled model that was ~55 us a layer, a sixth of a lone stream's step. Here a pass whose rows
-all decode runs each layer as ten calls straight into the kernels, on buffers kept per row
-count, with the same kernels, arguments and order as `LlamaLayer._forward_fused`: the same bits
-(tested). Passes with prompt rows, and models whose layers do not all qualify, keep that path.
+all decode runs each layer as ten calls straight into the kernels, on one set of kept buffers
+(grown to the most rows seen), with the same kernels, arguments and order as
+`LlamaLayer._forward_fused`: the same bits (tested). Passes with prompt rows, and models whose
+layers do not all qualify, keep that path.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class DecodeCalls:
                 layer.layer_idx, layer.scale, self._norm(layer.input_norm),
                 self._norm(layer.post_norm), layer.qkv._args, layer.o_proj._args,
                 layer.gate_up._args, layer.down._args))
-        self._buffers: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._buffers: tuple[torch.Tensor, ...] = ()
 
     def _norm(self, norm: torch.nn.Module) -> tuple[int, float]:
         """(address, eps) of a norm's float32 weight, kept alive here."""
@@ -83,15 +84,15 @@ class DecodeCalls:
                 and d.size == rows <= MAX_ROWS)
 
     def _scratch(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """(normed, qkv, attention out, gate|up, activation) buffers for `rows` rows."""
-        buf = self._buffers.get(rows)
-        if buf is None:
+        """(normed, qkv, attention out, gate|up, activation) buffers of at least `rows` rows
+        (one set, grown to the most rows a pass has had: a row count's buffers are its rows'
+        prefix, still contiguous)."""
+        if not self._buffers or self._buffers[0].shape[0] < rows:
             qkv = (self.heads + 2 * self.kv_heads) * self.head_dim
-            buf = (torch.empty(rows, self.hidden), torch.empty(rows, qkv),
-                   torch.empty(rows, self.heads * self.head_dim),
-                   torch.empty(rows, 2 * self.inter), torch.empty(rows, self.inter))
-            self._buffers[rows] = buf
-        return buf
+            self._buffers = (torch.empty(rows, self.hidden), torch.empty(rows, qkv),
+                             torch.empty(rows, self.heads * self.head_dim),
+                             torch.empty(rows, 2 * self.inter), torch.empty(rows, self.inter))
+        return self._buffers
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             plan: AttentionPlan) -> torch.Tensor:
