@@ -108,7 +108,9 @@ class DecodeCalls:
         slots = plan.slot_rows.contiguous()
         slot_step = slots.stride(0) * slots.element_size()
         slot0 = slots.data_ptr()
-        cos_p, sin_p = cos.contiguous().data_ptr(), sin.contiguous().data_ptr()
+        cos, sin = cos.contiguous(), sin.contiguous()  # held: the kernels read their addresses
+        cos_p, sin_p = cos.data_ptr(), sin.data_ptr()
+        assert x.is_contiguous()
         xp = x.data_ptr()
         norm, linear, rope = _row_norm.rms_norm, _w8_group.linear, _row_ops.rope
         kv_write, silu_mul, attend = _row_ops.kv_write, _row_ops.silu_mul, _paged_decode.decode
