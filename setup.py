@@ -60,7 +60,7 @@ def linear_extensions() -> list[object]:
     return [Extension(
         f"mooncake_server.engine._{name}",
         sources=[str(NATIVE / "linear" / f"{name}.c")],
-        depends=[str(NATIVE / "linear" / "lanes.h")],
+        depends=sorted(str(h) for h in (NATIVE / "linear").glob("*.h")),
         extra_compile_args=["-O3", "-std=gnu11", "-fopenmp", *WARNINGS, "-fvisibility=hidden",
                             # row_ops' rope gives torch's bits: a product and a sum, never fused
                             *(["-ffp-contract=off"] if name == "row_ops" else [])],

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "call_args.h"
 #include "lanes.h"
 
 typedef struct {
@@ -256,25 +257,14 @@ TARGET static void merge(const float *part, int spans, int step, int d, float *o
  *        out [rows, heads, d] contiguous. */
 static PyObject *py_decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 15) {
-        PyErr_SetString(PyExc_TypeError, "decode takes 15 arguments");
+    Arg a[15];
+    if (call_args(args, nargs, "iiiiiiiiiiiiifi", "decode", a))
         return NULL;
-    }
-    long v[15];
-    for (int i = 0; i < 15; i++) {
-        if (i == 13)
-            continue;
-        v[i] = PyLong_AsLong(args[i]);
-    }
-    const double scale = PyFloat_AsDouble(args[13]);
-    if (PyErr_Occurred())
-        return NULL;
-    Plan p = {(const float *)(intptr_t)v[2], (const int64_t *)(intptr_t)v[3],
-              (const int32_t *)(intptr_t)v[5], (int)v[4], (int)v[7], (int)v[8], (int)v[9],
-              (int)v[10], (int)v[11], (int)v[12], (float)scale};
-    const float *q = (const float *)(intptr_t)v[0];
-    const long stride = v[1], rows = v[6];
-    float *out = (float *)(intptr_t)v[14];
+    Plan p = {ADDR(a[2]), ADDR(a[3]), ADDR(a[5]), (int)a[4].i, (int)a[7].i, (int)a[8].i,
+              (int)a[9].i, (int)a[10].i, (int)a[11].i, (int)a[12].i, (float)a[13].f};
+    const float *q = ADDR(a[0]);
+    const long stride = a[1].i, rows = a[6].i;
+    float *out = ADDR(a[14]);
     if (rows < 0 || p.d % 8 || p.d > MAX_D || p.kv_heads <= 0 || p.heads % p.kv_heads || p.bt <= 0) {
         PyErr_SetString(PyExc_ValueError, "bad decode shape");
         return NULL;

@@ -14,6 +14,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "call_args.h"
 #include "lanes.h"
 
 
@@ -35,17 +36,13 @@ TARGET static void norm_row(const float *x, int d, const float *w, float eps, fl
 /* rms_norm(x, rows, d, w, eps, y): addresses as ints; rows of d contiguous floats. */
 static PyObject *py_rms_norm(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "rms_norm takes 6 arguments");
+    Arg a[6];
+    if (call_args(args, nargs, "iiiifi", "rms_norm", a))
         return NULL;
-    }
-    const float *x = PyLong_AsVoidPtr(args[0]);
-    const long rows = PyLong_AsLong(args[1]), d = PyLong_AsLong(args[2]);
-    const float *w = PyLong_AsVoidPtr(args[3]);
-    const double eps = PyFloat_AsDouble(args[4]);
-    float *y = PyLong_AsVoidPtr(args[5]);
-    if (PyErr_Occurred())
-        return NULL;
+    const float *x = ADDR(a[0]), *w = ADDR(a[3]);
+    const long rows = a[1].i, d = a[2].i;
+    const double eps = a[4].f;
+    float *y = ADDR(a[5]);
     if (rows < 0 || d <= 0 || d % 8) {
         PyErr_SetString(PyExc_ValueError, "bad rms_norm shape");
         return NULL;

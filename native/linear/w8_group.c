@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "call_args.h"
 #include "lanes.h"
 
 #define GROUP 32 /* inputs per scale and offset */
@@ -261,18 +262,11 @@ TARGET static int wide(const float *x, int m, int k, const uint8_t *q, const flo
  * bits 8 (bytes) or 4 (nibbles); add 1: y += x @ W.T + b (y holds the residual), else y =. */
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "linear takes 11 arguments");
+    Arg a[11];
+    if (call_args(args, nargs, "iiiiiiiiiii", "linear", a))
         return NULL;
-    }
-    void *p[11];
-    for (int i = 0; i < 11; i++) {
-        p[i] = PyLong_AsVoidPtr(args[i]);
-        if (PyErr_Occurred())
-            return NULL;
-    }
-    const int m = (int)(intptr_t)p[1], k = (int)(intptr_t)p[2], n = (int)(intptr_t)p[6];
-    const int bits = (int)(intptr_t)p[9], add = p[10] != NULL;
+    const int m = (int)a[1].i, k = (int)a[2].i, n = (int)a[6].i, bits = (int)a[9].i;
+    const int add = a[10].i != 0;
     if (m < 0 || k <= 0 || k % GROUP || n <= 0 || (bits != 4 && bits != 8)) {
         PyErr_SetString(PyExc_ValueError, "bad linear shape");
         return NULL;
@@ -282,9 +276,11 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     int failed = 0;
     Py_BEGIN_ALLOW_THREADS
     if (m <= NARROW_ROWS)
-        narrow(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8], bits, add);
+        narrow(ADDR(a[0]), m, k, ADDR(a[3]), ADDR(a[4]), ADDR(a[5]), n, ADDR(a[7]), ADDR(a[8]),
+               bits, add);
     else
-        failed = wide(p[0], m, k, p[3], p[4], p[5], n, p[7], p[8], bits, add);
+        failed = wide(ADDR(a[0]), m, k, ADDR(a[3]), ADDR(a[4]), ADDR(a[5]), n, ADDR(a[7]),
+                      ADDR(a[8]), bits, add);
     Py_END_ALLOW_THREADS
     if (failed)
         return PyErr_NoMemory();
