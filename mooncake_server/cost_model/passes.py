@@ -12,6 +12,8 @@ predicts them with the same ones (scheduler/policy.py).
 
 from __future__ import annotations
 
+import math
+
 from mooncake_server.cost_model.perf_model import PerfModel
 
 # A gap (decode step + one prefill pass) is kept to this share of the TBT SLO: the rest is the
@@ -30,12 +32,23 @@ SPEED_HORIZON_S = 60.0
 # tokens, 1.37x on a 1,690-token pass of six prompts, AMD EPYC), short enough to add under a
 # second to start-up.
 SEED_PASS_TOKENS = 512
+# NOTE: a burst's first pass runs past one chunk only once the prefill instance timed a full
+# pass of at least this share of a chunk: a speed read on short passes predicted long ones
+# short (on 16- and 128-token passes alone, a 3,169-token pass was estimated at 3.4 s and took
+# 5.4 s). A prefill instance times such a pass at start-up (`seed_pass_tokens(long=True)`):
+# without it a run's first burst was cut at one chunk and its 734-token prompt refused, where
+# in the pass it was estimated at 3.8 s.
+LONG_PASS_SHARE = 0.75
 
 
-def seed_pass_tokens(chunk_tokens: int, max_model_len: int, kv_tokens: int) -> int:
-    """The start-up pass's prompt tokens on an engine with these limits (at most
-    `SEED_PASS_TOKENS`, and at most half its context and its KV pool)."""
-    return max(1, min(SEED_PASS_TOKENS, chunk_tokens, max_model_len // 2, kv_tokens // 2))
+def seed_pass_tokens(chunk_tokens: int, max_model_len: int, kv_tokens: int, *,
+                     long: bool = False) -> int:
+    """The start-up pass's prompt tokens on an engine with these limits: `SEED_PASS_TOKENS`, or
+    (`long`) `LONG_PASS_SHARE` of a chunk if more; at most a chunk, half its context and half
+    its KV pool."""
+    wanted = max(SEED_PASS_TOKENS, math.ceil(LONG_PASS_SHARE * chunk_tokens)) if long \
+        else SEED_PASS_TOKENS
+    return max(1, min(wanted, chunk_tokens, max_model_len // 2, kv_tokens // 2))
 
 
 def pass_budget_s(tbt_slo_s: float, decode_step_s: float) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_server.cost_model.passes import MIN_CHUNK
+from mooncake_server.cost_model.passes import MIN_CHUNK, SEED_PASS_TOKENS, seed_pass_tokens
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
 from mooncake_server.roles.prefill.worker import HANDOFF_GRACE_S, decode_beside
@@ -61,15 +61,19 @@ def test_a_full_pass_timed_at_start_up_speaks_for_the_machine_until_long_passes_
     chunks.seed(500, 1.5 * MODEL.prefill_s(500))
     split = chunks.split(shared=False, idle_chunk=2048)
     assert split is not None and split.ratio == pytest.approx(1.5) == split.cut_ratio
-    assert split.measured_tokens == 0  # a seed is no burst-sized pass
+    # The conductor lets a burst's first pass run past one chunk only on speeds read from
+    # passes that long: the start-up pass is one, and it never ages.
+    assert split.measured_tokens == 500
     chunks.observe([(16, 0)], MODEL.prefill_s(16))  # a warm-up pass at the model's speed
     ratio = chunks.split(shared=False, idle_chunk=2048).ratio
     assert ratio == pytest.approx((1.5 * 0.51 + 1.0 * 0.026) / (0.51 + 0.026))
     for _ in range(20):  # long passes, recent: they outweigh the seed
         chunks.observe([(1000, 0)], 1.2 * MODEL.prefill_s(1000))
     assert chunks.split(shared=False, idle_chunk=2048).ratio == pytest.approx(1.2, abs=0.02)
+    assert chunks.split(shared=False, idle_chunk=2048).measured_tokens == 1000
     clock.now += 61.0  # nothing recent: the seed again, not the bare model
     assert chunks.split(shared=False, idle_chunk=2048).ratio == pytest.approx(1.5)
+    assert chunks.split(shared=False, idle_chunk=2048).measured_tokens == 500
     assert chunks.tokens(decode_step_s=0.05) == 56  # 1.5 x (10 + 56) ms = 99 ms of 100
 
 
@@ -136,3 +140,14 @@ def test_passes_are_cut_while_a_decode_takes_the_job_just_answered() -> None:
     assert decode_beside(idle_decode, 99.5, 100.0)  # answered 0.5 s ago: the decode is starting
     assert not decode_beside(idle_decode, 100.0 - HANDOFF_GRACE_S, 100.0)  # it never came
     assert not decode_beside(Board(present=0, active=0), 99.9, 100.0)  # alone on its cores
+
+
+def test_a_prefill_instance_times_a_pass_long_enough_for_a_bursts_first_pass() -> None:
+    """At start-up a prefill instance times a pass of 3/4 of its chunk, so the conductor may
+    let a burst's first pass run past one chunk from the first burst on; within the engine's
+    limits (half its context, half its KV pool) and never below the usual 512 tokens."""
+    assert seed_pass_tokens(2048, 8192, 100_000) == SEED_PASS_TOKENS == 512
+    assert seed_pass_tokens(2048, 8192, 100_000, long=True) == 1536
+    assert seed_pass_tokens(2048, 2048, 100_000, long=True) == 1024  # half the context
+    assert seed_pass_tokens(2048, 8192, 1_000, long=True) == 500  # half the KV pool
+    assert seed_pass_tokens(256, 8192, 100_000, long=True) == 256  # at most a chunk

@@ -64,8 +64,9 @@ def build_app(config: ServerConfig) -> FastAPI:
         chunks = ChunkBudget(config.decode_chunk_tokens, model, config.tbt_slo_s)
         if model is not None:
             kv = parts.runner.kv
+            # Long enough that a burst's first pass may run past one chunk (passes.py).
             tokens = seed_pass_tokens(config.prefill_chunk_tokens, parts.info.max_model_len,
-                                      kv.num_blocks * kv.layout.block_tokens)
+                                      kv.num_blocks * kv.layout.block_tokens, long=True)
             seconds = await asyncio.get_running_loop().run_in_executor(
                 parts.executor, parts.runner.prompt_pass_s, tokens)
             chunks.seed(tokens, seconds)

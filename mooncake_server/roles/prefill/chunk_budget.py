@@ -66,6 +66,7 @@ class ChunkBudget:
         # (measured, modelled) seconds of a full pass timed at start-up (`seed`): what the
         # speed is read from while no pass is recent, and a prior that never ages beside them.
         self._seed: tuple[float, float] | None = None
+        self._seed_tokens = 0
         # A prompt's TTFT sums the waits of all its passes, so their mean matters, not one
         # pass's worst. They follow the decode's load: the short horizon.
         self._waits = TailSeconds(horizon_s=horizon_s, clock=clock)
@@ -101,11 +102,14 @@ class ChunkBudget:
         """
         if self.model is not None and tokens > 0 and seconds > 0:
             self._seed = (seconds, self.model.prefill_s(tokens))
+            self._seed_tokens = tokens
 
     def measured_tokens(self) -> int:
-        """The largest full pass timed within the speed horizon (0: none)."""
+        """The largest full pass behind the speed reported: timed within the speed horizon, or
+        the start-up pass, which never ages (0: none)."""
         cutoff = self._clock() - self._speed_horizon_s
-        return max((n for at, n in self._full_sizes if at > cutoff), default=0)
+        recent = max((n for at, n in self._full_sizes if at > cutoff), default=0)
+        return max(self._seed_tokens, recent)
 
     def _ratio(self, cut: bool, mean: bool = False) -> float:
         """Measured / modelled time of full (or cut) passes, the slower half's or (`mean`) all

@@ -34,11 +34,8 @@ FIRST_PASS_CHUNKS = 2
 # within this share of the TTFT SLO: the pass answers all its jobs when it ends, so an estimate
 # 5% short (4.81 s estimated, 5.03 s measured in a goodput replay) made all eight miss at once.
 FIRST_PASS_SLO_SHARE = 0.9
-# NOTE: ... and only once the instance timed a full pass of at least this share of a chunk
-# recently: a pass's time per token grows with its size on these CPUs, so a speed measured on
-# short passes reads a long one short. Timed on 16- and 128-token passes alone, a 3,169-token
-# pass was estimated at 3.4 s and took 5.4 s; on 512-token passes, 4.38 s and 5.15 s.
-FIRST_PASS_MEASURED = 0.75
+# ... and only once the instance timed a full pass of at least `LONG_PASS_SHARE` of a chunk
+# (cost_model/passes.py: its start-up pass is that long).
 
 if TYPE_CHECKING:
     from mooncake_server.roles.conductor.scheduler.policy import Plan

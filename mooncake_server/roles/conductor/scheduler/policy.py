@@ -39,12 +39,11 @@ from typing import NamedTuple
 
 from mooncake_server.api.backend import BackendError, GenerateRequest
 from mooncake_server.api.burst import BURST_WINDOW_S, BurstGate, Order
-from mooncake_server.cost_model.passes import chunk_fitting, pass_budget_s
+from mooncake_server.cost_model.passes import LONG_PASS_SHARE, chunk_fitting, pass_budget_s
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.conductor.scheduler.bursts import (
     FIRST_PASS_CHUNKS,
-    FIRST_PASS_MEASURED,
     FIRST_PASS_SLO_SHARE,
     BurstState,
     settle,
@@ -300,9 +299,9 @@ class KVCacheScheduler:
     def _first_pass_cap(self, split: PassSplit) -> int:
         """Prompt tokens a burst's first pass may hold: more than a chunk only with a TTFT SLO,
         which then bounds how long the pass may run, and once the instance has timed passes
-        long enough to predict it (bursts.FIRST_PASS_CHUNKS, FIRST_PASS_MEASURED)."""
+        long enough to predict it (bursts.FIRST_PASS_CHUNKS, passes.LONG_PASS_SHARE)."""
         chunk = split.chunk_tokens
-        if self.ttft_slo_s is None or split.measured_tokens < FIRST_PASS_MEASURED * chunk:
+        if self.ttft_slo_s is None or split.measured_tokens < LONG_PASS_SHARE * chunk:
             return chunk
         return chunk * FIRST_PASS_CHUNKS
 
