@@ -36,8 +36,8 @@ SEED_PASS_TOKENS = 512
 # pass of at least this share of a chunk: a speed read on short passes predicted long ones
 # short (on 16- and 128-token passes alone, a 3,169-token pass was estimated at 3.4 s and took
 # 5.4 s). A prefill instance times such a pass at start-up (`seed_pass_tokens(long=True)`):
-# without it a run's first burst was cut at one chunk and its 734-token prompt refused, where
-# in the pass it was estimated at 3.8 s.
+# with only the 512-token one, a run's first burst stopped at one chunk and refused its
+# 734-token prompt, which in the pass was estimated at 3.56 s and answered at 3.75 s.
 LONG_PASS_SHARE = 0.75
 
 
