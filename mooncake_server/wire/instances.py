@@ -35,7 +35,8 @@ class PassSplit(BaseModel):
     `chunk_tokens`, each taking the modelled time x `ratio`; while a decode on the same cores
     (`shared`) has work, passes of `cut_tokens` taking the modelled time x `cut_ratio`, each
     after waiting about `wait_s` for the decode's step. `measured_tokens`: the largest full
-    pass behind `ratio` (its speed horizon); a ratio of short passes says little of long ones."""
+    pass behind `ratio` (its speed horizon, or the start-up pass); a ratio of short passes says
+    little of long ones."""
 
     chunk_tokens: int = Field(ge=1)
     cut_tokens: int = Field(ge=1)
