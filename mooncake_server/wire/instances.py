@@ -45,8 +45,6 @@ class PassSplit(BaseModel):
     wait_s: float = Field(ge=0)
     shared: bool = False
     measured_tokens: int = Field(default=0, ge=0)
-    # The step of the decode beside it, as that decode last posted it (0: none has work).
-    step_s: float = Field(default=0.0, ge=0)
 
 
 class Heartbeat(BaseModel):

@@ -246,32 +246,3 @@ async def test_a_decode_beside_a_prefill_is_judged_with_the_pass_it_will_wait_fo
     assert isinstance(a, Plan) and isinstance(b, Plan)
     assert a.tbt_s == pytest.approx(0.025)  # its own step: no prefill on its cores
     assert b.tbt_s == pytest.approx(0.15)  # 2 sequences' 30 ms step + the 120 ms pass it leaves
-
-
-async def test_cut_passes_wait_for_the_decode_steps_it_takes() -> None:
-    """The conductor models a busy decode's step by the slow tail a TBT promise needs; a
-    prompt's cut passes each wait for a step, and those waits add up, so they are charged at
-    the step the decode beside the prefill last took (its core board's), scaled as the burst's
-    own requests join. Charged at the tail, a 422-token prompt was estimated at 2.0 s and took
-    0.85 s, and the prompt behind it was refused."""
-    from mooncake_server.wire.instances import Heartbeat, PassSplit
-
-    def busy(step_s: float) -> KVCacheScheduler:
-        s = scheduler(Clock(), ttft_slo=5.0, tbt_slo=0.2)
-        for i in range(4):  # four requests decoding: a 40 ms step by the model
-            s.tracker.assign(f"old{i}", "p1", 0.1, "d1", 100)
-            s.first_token(f"old{i}")
-        s.registry.heartbeat(Heartbeat(instance_id="p1", passes=PassSplit(
-            chunk_tokens=2048, cut_tokens=200, ratio=1.0, cut_ratio=1.0, wait_s=0.0,
-            shared=True, step_s=step_s)))
-        return s
-
-    # Its steps as modelled: passes of 100 tokens (10 + 100 ms, the 150 ms gap less the 40 ms
-    # step), four of them, each after a 40 ms step.
-    got = await burst(busy(0.0), {"p": 400})
-    assert got["p"].prefill_estimate.compute_s == pytest.approx(  # type: ignore[union-attr]
-        4 * (0.01 + 0.1 + 0.04))
-    # The decode posts 20 ms steps: passes of 120 tokens, each after 20 ms.
-    got = await burst(busy(0.02), {"p": 400})
-    assert got["p"].prefill_estimate.compute_s == pytest.approx(  # type: ignore[union-attr]
-        4 * 0.01 + 0.4 + 4 * 0.02)

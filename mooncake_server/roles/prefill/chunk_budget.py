@@ -133,7 +133,7 @@ class ChunkBudget:
                          ratio=self._ratio(cut=False, mean=True),
                          cut_ratio=self._ratio(cut=True, mean=True),
                          wait_s=self._waits.mean, shared=shared,
-                         measured_tokens=self.measured_tokens(), step_s=decode_step_s)
+                         measured_tokens=self.measured_tokens())
 
     def tokens(self, decode_step_s: float = 0.0) -> int:
         """Prompt tokens the next pass may carry while a decode whose steps take

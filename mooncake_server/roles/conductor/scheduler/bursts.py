@@ -49,8 +49,6 @@ class BurstState:
     placed: dict[str, int] = field(default_factory=dict)  # instance -> requests placed on it
     first_pass: dict[str, int] = field(default_factory=dict)  # prefill -> its first pass's tokens
     full: set[str] = field(default_factory=set)  # prefills whose first pass takes no more
-    # The busiest decode step as modelled when the burst began, before its own requests joined.
-    busy_base_s: float | None = None
 
     def count(self, instance_id: str) -> int:
         """Requests of this burst placed on the instance so far."""

@@ -206,8 +206,6 @@ class KVCacheScheduler:
         n = len(request.prompt_token_ids)
         busy_step = self._busiest_decode_step(decodes)
         burst_step = self._busiest_decode_step(decodes, with_burst=True)
-        if self._burst.busy_base_s is None:
-            self._burst.busy_base_s = busy_step
         estimates = [self._estimate(info, n, hits, busy_step, burst_step) for info in prefills]
         choices = [self._decode_choice(info, request) for info in decodes]
         if self.policy is Policy.RANDOM:
@@ -292,24 +290,11 @@ class KVCacheScheduler:
             step = max(busy_step, burst_step)
         else:
             return Passes(split.chunk_tokens, split.ratio), True
-        step = self._as_posted(step, split)
         chunk = split.cut_tokens
         if self.tbt_slo_s is not None:
             chunk = chunk_fitting(self.model, split.cut_ratio,
                                   pass_budget_s(self.tbt_slo_s, step), split.cut_tokens)
         return Passes(chunk, split.cut_ratio, max(split.wait_s, step)), False
-
-    def _as_posted(self, step: float, split: PassSplit) -> float:
-        """A decode step a cut pass waits for, modelled here, in the decode's own time: scaled
-        by the step the decode beside the prefill last took over the step modelled for it when
-        the burst began. The modelled step is the slow tail a TBT promise needs; a prompt's
-        passes sum their waits, so they take the decode's steps as they come (the tail read a
-        5-row step at 45 ms where the decode took about 20, and a 422-token prompt was
-        estimated at 2.0 s in 30-token passes and took 0.85 s in 70-token ones)."""
-        base = self._burst.busy_base_s
-        if split.step_s <= 0 or not base:
-            return step
-        return step * split.step_s / base
 
     def _first_pass_cap(self, split: PassSplit) -> int:
         """Prompt tokens a burst's first pass may hold: more than a chunk only with a TTFT SLO,
@@ -353,11 +338,6 @@ class KVCacheScheduler:
                     and est.ttft_s > FIRST_PASS_SLO_SHARE * self.ttft_slo_s):
                 break
             self._burst.full.add(iid)  # this and every costlier prompt: after the pass
-        if passes is not None and not first:
-            log.debug("%s: %d prompt tokens in cut passes of %d tokens, %.2fx the model, "
-                      "each after %.0f ms (busy step %.0f ms, burst step %.0f ms)", iid,
-                      prompt_tokens, passes.chunk_tokens, passes.ratio, passes.wait_s * 1000,
-                      busy_step * 1000, burst_step * 1000)
         return est._replace(first_pass=first)
 
     def _decode_choice(self, info: InstanceInfo, request: GenerateRequest) -> _DecodeChoice:
