@@ -33,9 +33,8 @@ FIRST_PASS_CHUNKS = 2
 # NOTE: past one chunk, a prompt joins the first pass only while the pass's estimated end stays
 # within this share of the TTFT SLO: the pass answers all its jobs when it ends, so an estimate
 # 5% short (4.81 s estimated, 5.03 s measured in a goodput replay) made all eight miss at once.
+# It also needs a timed full pass of `passes.LONG_PASS_SHARE` of a chunk (the start-up one).
 FIRST_PASS_SLO_SHARE = 0.9
-# ... and only once the instance timed a full pass of at least `LONG_PASS_SHARE` of a chunk
-# (cost_model/passes.py: its start-up pass is that long).
 
 if TYPE_CHECKING:
     from mooncake_server.roles.conductor.scheduler.policy import Plan
