@@ -5,8 +5,10 @@ Production arrivals come in bursts (a trace's timestamps in 3-second buckets put
 thousands of prompt tokens, on the cluster at once). Judged one by one in arrival order, a
 burst's first long prompts were accepted, pushed the short ones behind them past their deadline,
 and then were late themselves. Here the requests waiting for a decision are gathered for
-`window_s`, ordered by the prefill work they need (uncached tokens, fewest first: for one common
-deadline that order lets the most requests meet it) and placed in that order, each one's estimate
+`window_s`, and for another window while the last one brought more (beside busy decode steps a
+burst reaches the gate over tens of ms), never longer than `gather_max_s`; then they are
+ordered by the prefill work they need (uncached tokens, fewest first: for one common deadline
+that order lets the most requests meet it) and placed in that order, each one's estimate
 counting those placed before it; those that cannot meet the SLOs get their 429 at once.
 Across bursts the earlier burst goes first (earliest deadline): a later burst is decided with the
 earlier one already in the ledger, and its prefill jobs carry the burst's time and each job's rank
@@ -30,6 +32,10 @@ from typing import Generic, NamedTuple, TypeVar
 # Long enough to gather a burst's requests as the API parses and tokenizes them (a few ms each
 # here), short against any TTFT SLO.
 BURST_WINDOW_S = 0.02
+# Beside busy decode steps a burst reaches the gate over tens of ms (the API tokenizes each
+# request between steps): the gate gathers while requests keep arriving, a window at a time, but
+# never longer than this, so a steady stream is still decided in bounded time.
+BURST_GATHER_MAX_S = 0.1
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +65,12 @@ class BurstGate(Generic[T, R]):
 
     def __init__(self, decide: Callable[[T, Order], R], *, window_s: float = BURST_WINDOW_S,
                  wall_clock: Callable[[], float] = time.time,
-                 settle: Callable[[list[R]], list[R]] | None = None) -> None:
+                 settle: Callable[[list[R]], list[R]] | None = None,
+                 gather_max_s: float = BURST_GATHER_MAX_S) -> None:
         self._decide = decide
         self._settle = settle
         self.window_s = window_s
+        self.gather_max_s = gather_max_s
         self._wall_clock = wall_clock
         self._waiting: list[_Waiting[T, R]] = []
         self._arrived = 0
@@ -80,7 +88,7 @@ class BurstGate(Generic[T, R]):
         return await answer
 
     async def _decide_after_window(self) -> None:
-        await asyncio.sleep(self.window_s)
+        await self._gather()
         burst, self._waiting = self._waiting, []
         self.bursts += 1
         at = self._wall_clock()
@@ -106,3 +114,14 @@ class BurstGate(Generic[T, R]):
         for (w, _), result in zip(decided, results, strict=True):
             if not w.answer.done():
                 w.answer.set_result(result)
+
+    async def _gather(self) -> None:
+        """Waits a window, then another while the last one brought requests, up to the cap."""
+        if self.window_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        stop_at = loop.time() + max(self.window_s, self.gather_max_s)
+        seen = -1
+        while seen != self._arrived and (left := stop_at - loop.time()) > 0:
+            seen = self._arrived
+            await asyncio.sleep(min(self.window_s, left))
