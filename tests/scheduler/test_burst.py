@@ -102,6 +102,24 @@ async def test_an_idle_cluster_accepts_whatever_fits_alone() -> None:
         s.release(f"r{i}")
 
 
+async def test_no_429_on_an_idle_cluster_before_the_next_heartbeat() -> None:
+    """The decode's last beat was sent while a request decoded; that request has finished since.
+    The next lone prompt on the idle cluster is estimated in full passes (10 + 900 ms), not in
+    cut passes beside a busy decode (9 x (10 + 100 + 50) ms = 1.44 s, refused)."""
+    from mooncake_server.wire.instances import Heartbeat
+
+    s = scheduler(Clock(), ttft_slo=1.0, tbt_slo=0.2)
+    shared_prefill(s)
+    first = await burst(s, {"first": 100})
+    assert isinstance(first["first"], Plan)
+    s.registry.heartbeat(Heartbeat(instance_id="d1", running=1))  # sent while it decoded
+    s.first_token("first")
+    s.release("first")
+    got = await burst(s, {"next": 900})
+    assert isinstance(got["next"], Plan)
+    assert got["next"].prefill_estimate.compute_s == pytest.approx(0.91)
+
+
 async def test_no_429_after_a_burst_of_rejections() -> None:
     """Rejected requests leave nothing in the ledger: once the accepted work is done, the idle
     cluster accepts again at once."""

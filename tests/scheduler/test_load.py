@@ -60,6 +60,30 @@ def test_heartbeat_reporting_more_work_raises_the_estimate() -> None:
     assert t.prefill_queue_s("p1", Heartbeat(instance_id="p1", waiting=0)) == pytest.approx(1.0)
 
 
+def test_a_heartbeat_does_not_count_the_work_that_left_after_it() -> None:
+    """A beat sent while requests ran still counts them once they are done (beats come about
+    once a second): what the ledger saw leave since the beat is taken off its count, and the
+    next beat counts afresh."""
+    t = LoadTracker(Clock())
+    t.assign("a", "p1", 1.0, "d1", 100)
+    t.assign("b", "p1", 1.0, "d1", 100)
+    t.heard("p1")
+    t.heard("d1")
+    prefill_beat, decode_beat = (Heartbeat(instance_id="p1", waiting=3),
+                                 Heartbeat(instance_id="d1", running=3))
+    t.prefill_done("a")
+    # One of the three the prefill reported left since: two remain (b, and one not ours).
+    assert t.prefill_queue_len("p1", prefill_beat) == 2
+    assert t.prefill_queue_s("p1", prefill_beat) == pytest.approx(2.0)
+    t.finished("a")
+    t.finished("b")
+    assert t.decode_load("d1", decode_beat) == (1, 0)  # the one not ours
+    assert t.prefill_queue_len("p1", prefill_beat) == 1
+    t.heard("d1")  # a fresh beat: its own count, whole
+    assert t.decode_load("d1", Heartbeat(instance_id="d1", running=1)) == (1, 0)
+    assert t.decode_load("d1", Heartbeat(instance_id="d1", running=0)) == (0, 0)
+
+
 def test_slow_decode_steps_raise_tbt_estimates() -> None:
     clock = Clock()
     t = LoadTracker(clock)

@@ -59,6 +59,7 @@ class InstanceRegistry:
         self._entries: dict[str, _Entry] = {}
         self._next: dict[str, int] = {role: 0 for role in INSTANCE_ROLES}
         self._on_register: list[Callable[[InstanceInfo], None]] = []
+        self._on_heartbeat: list[Callable[[Heartbeat], None]] = []
         # NOTE: the sweep for long-silent instances walks every entry, so it runs at most this
         # often, not on every heartbeat (N instances beating each second would cost O(N^2)).
         self._sweep_every_s = min(1.0, self.forget_after_s / 10)
@@ -67,6 +68,10 @@ class InstanceRegistry:
     def on_register(self, listener: Callable[[InstanceInfo], None]) -> None:
         """Call `listener` with every (re-)registration."""
         self._on_register.append(listener)
+
+    def on_heartbeat(self, listener: Callable[[Heartbeat], None]) -> None:
+        """Call `listener` with every heartbeat of a known instance, once it is recorded."""
+        self._on_heartbeat.append(listener)
 
     def register(self, info: InstanceInfo) -> None:
         """Add or replace an instance (a restarted instance registers under the same id)."""
@@ -89,6 +94,8 @@ class InstanceRegistry:
             return False
         entry.last_seen = self._clock()
         entry.load = beat
+        for listener in self._on_heartbeat:
+            listener(beat)
         return True
 
     def deregister(self, instance_id: str) -> bool:

@@ -6,7 +6,11 @@ prefill time calibrates that instance's later estimates) -> tokens (its decode c
 the gaps between them calibrate the decode instance's step-time estimates) ->
 finished (leaves the decode batch). Heartbeats arrive about once a second; the ledger changes
 with every request, so between beats it is the fresher view, and a beat reporting more work than
-the ledger knows (another conductor, a restart) raises the estimate, never lowers it.
+the ledger knows (another conductor, a restart) raises the estimate, never lowers it. A beat
+still counts the work that left since it was sent, so what the ledger saw leave after the beat
+is taken off the beat's count: read whole, an idle cluster's last beat (sent while a request
+decoded, up to a second old) made the next lone prompt's estimate that of cut passes beside a
+busy decode, and a 512-token prompt was refused at 5.00 s on an idle `--role all`.
 Calibrations keep only the measurements of the last `horizon_s` seconds (calibration.py): an
 instance that gets no work, say because its slow measurements made the SLOs reject everything,
 is judged by the model again once they age out.
@@ -85,6 +89,7 @@ class _Instance:
     last_done_at: float = float("-inf")
     open_pass: _Pass | None = None  # the last first tokens, until the pass is surely over
     decode: dict[str, int] = field(default_factory=dict)  # request id -> context tokens
+    left_since_beat: int = 0  # requests of this ledger that left it after its last heartbeat
 
 
 class DecodeLoad(NamedTuple):
@@ -151,6 +156,7 @@ class LoadTracker:
         if prefill_id is None:
             return
         inst = self._get(prefill_id)
+        inst.left_since_beat += 1
         now = self._clock()
         self._first_token_at[request_id] = now
         for i, entry in enumerate(inst.prefill):
@@ -213,7 +219,9 @@ class LoadTracker:
         old = self._decode_of.get(request_id)
         if old is None or old == decode_id:
             return
-        context = self._get(old).decode.pop(request_id, 0)
+        left = self._get(old)
+        context = left.decode.pop(request_id, 0)
+        left.left_since_beat += 1
         self._get(decode_id).decode[request_id] = context
         self._decode_of[request_id] = decode_id
         # The next gap includes the move (loading KV): it must not calibrate either instance.
@@ -226,11 +234,20 @@ class LoadTracker:
             prefill_id = self._prefill_of.pop(request_id)
             inst = self._get(prefill_id)
             inst.prefill = [e for e in inst.prefill if e.request_id != request_id]
+            inst.left_since_beat += 1
         decode_id = self._decode_of.pop(request_id, None)
         if decode_id is not None:
-            self._get(decode_id).decode.pop(request_id, None)
+            inst = self._get(decode_id)
+            if inst.decode.pop(request_id, None) is not None:
+                inst.left_since_beat += 1
         self._last_token_at.pop(request_id, None)
         self._first_token_at.pop(request_id, None)
+
+    def heard(self, instance_id: str) -> None:
+        """A heartbeat of the instance arrived: it counts the work that left before it."""
+        inst = self._instances.get(instance_id)
+        if inst is not None:
+            inst.left_since_beat = 0
 
     # ---- views --------------------------------------------------------------------------------
 
@@ -267,29 +284,35 @@ class LoadTracker:
             head = inst.prefill[0]
             running_for = self._clock() - max(head.assigned_at, inst.last_done_at)
             total -= min(max(0.0, running_for), queue[0])
-        if beat is not None and beat.waiting > len(queue):
+        waiting = self._beat_work(instance_id, beat.waiting) if beat is not None else 0
+        if waiting > len(queue):
             # Work we did not place: assume it costs what ours costs on average (or 0 if unknown).
             mean = sum(queue) / len(queue) if queue else 0.0
-            total += (beat.waiting - len(queue)) * mean
+            total += (waiting - len(queue)) * mean
         return max(0.0, total)
 
     def prefill_queue_len(self, instance_id: str, beat: Heartbeat | None = None) -> int:
         """Prefill jobs queued or running on this instance."""
         inst = self._instances.get(instance_id)
         ours = len(inst.prefill) if inst else 0
-        return max(ours, beat.waiting if beat else 0)
+        return max(ours, self._beat_work(instance_id, beat.waiting) if beat else 0)
 
     def decode_load(self, instance_id: str, beat: Heartbeat | None = None) -> DecodeLoad:
         """Sequences on this decode instance and their total context."""
         inst = self._instances.get(instance_id)
         batch = len(inst.decode) if inst else 0
         context = sum(inst.decode.values()) if inst else 0
-        reported = (beat.running + beat.waiting) if beat else 0
+        reported = self._beat_work(instance_id, beat.running + beat.waiting) if beat else 0
         if reported > batch:
             mean = context / batch if batch else 0
             context += int((reported - batch) * mean)
             batch = reported
         return DecodeLoad(batch, context)
+
+    def _beat_work(self, instance_id: str, reported: int) -> int:
+        """A heartbeat's count of work, less what this ledger saw leave since it was sent."""
+        inst = self._instances.get(instance_id)
+        return max(0, reported - (inst.left_since_beat if inst else 0))
 
     def in_flight(self) -> int:
         """Requests placed and not finished."""

@@ -138,6 +138,7 @@ class KVCacheScheduler:
         self.tracker = tracker or LoadTracker()
         registry.on_register(lambda info: self.tracker.registered(info.instance_id,
                                                                   info.incarnation))
+        registry.on_heartbeat(lambda beat: self.tracker.heard(beat.instance_id))
         self.rejected = 0
         self.outcomes = RequestOutcomes(ttft_slo_s, tbt_slo_s)
         self._rng = rng or random.Random()
