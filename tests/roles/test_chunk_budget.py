@@ -119,6 +119,20 @@ def test_ttft_is_estimated_from_mean_speeds_and_a_pass_sized_by_the_slower_half(
     assert chunks.tokens(decode_step_s=0.05) == 40
 
 
+def test_a_cut_pass_shorter_than_the_least_chunk_does_not_speak_for_chunks() -> None:
+    """1- and 3-token passes beside a decode time the per-pass overhead: read as the speed, they
+    sized the next chunks too large for the TBT budget."""
+    chunks = ChunkBudget(256, MODEL, tbt_slo_s=0.2, clock=Clock())
+    for _ in range(4):  # 1-token passes at a third of the model's 11 ms
+        chunks.observe([(1, 0)], MODEL.prefill_s(1) / 3, beside_decode=True, wait_s=0.02)
+    assert chunks.tokens(decode_step_s=0.05) == 90  # the model's own speed: 50 + 10 + 90 ms
+    split = chunks.split(shared=True, idle_chunk=2048)
+    assert split is not None and split.cut_ratio == pytest.approx(1.0)
+    assert split.wait_s == pytest.approx(0.02)  # their waits for the cores still count
+    chunks.observe([(MIN_CHUNK, 0)], 2 * MODEL.prefill_s(MIN_CHUNK), beside_decode=True)
+    assert chunks.tokens(decode_step_s=0.05) == 40  # a chunk-sized pass does: 2 x (10 + 40) ms
+
+
 class Board:
     """Another engine process on the core board: present, busy or not."""
 

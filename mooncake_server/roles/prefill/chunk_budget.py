@@ -25,7 +25,12 @@ from mooncake_server.cost_model.calibration import (
     TailMeanCalibration,
     TailSeconds,
 )
-from mooncake_server.cost_model.passes import SPEED_HORIZON_S, chunk_fitting, pass_budget_s
+from mooncake_server.cost_model.passes import (
+    MIN_CHUNK,
+    SPEED_HORIZON_S,
+    chunk_fitting,
+    pass_budget_s,
+)
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.wire.instances import PassSplit
 
@@ -85,7 +90,13 @@ class ChunkBudget:
         if self.model is not None and tokens > 0:
             modelled = self.model.pass_s(items)
             if beside_decode:
-                self._cut.add(compute_s, modelled)
+                # NOTE: a cut pass shorter than the least chunk times the per-pass overhead, not
+                # the speed a chunk runs at: a burst's 1- and 3-token prompts beside a decode ran
+                # at 0.39x the built-in model, the 81-token chunks sized by that speed right after
+                # at 1.27x (167 ms each of a 100 ms budget), and eight decoding requests missed
+                # a 200 ms TBT (204-436 ms). Their wait for the cores is still a wait.
+                if tokens >= MIN_CHUNK:
+                    self._cut.add(compute_s, modelled)
                 self._waits.add_seconds(wait_s)
             else:
                 self._calibration.add(compute_s, modelled)
