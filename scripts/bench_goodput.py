@@ -21,9 +21,9 @@ all-slo the conductor's measured / estimated TTFT p50 / p90 (its /metrics); per 
 goodput (the slowest-to-fastest scan's highest rate with >= 90% of all requests within SLO).
 Also per rate a bound: the most requests any admission could serve within both SLOs on the
 same arrivals, by an offline schedule (mooncake_bench/goodput_bound.py) over costs measured on
-an idle all-slo server of its own, started before the points: prefill per prompt length (lone prompts of 128-2,048 tokens) and decode
-steps per batch size, with every assumption in the server's favour; "of bound" is a point's
-share of it.
+an idle all-slo server of its own, started before the points: prefill per prompt length (lone
+prompts of 128-2,048 tokens) and decode steps per batch size, with every assumption in the
+server's favour; "of bound" is a point's share of it.
 SLO: TTFT 5 s, TBT 200 ms (TBT over the decode's gaps; the hand-off before the second token is
 held to TTFT + TBT, for every system alike). Writes goodput.json, goodput.png and one
 requests-<system>-x<scale>.jsonl per point (each request's outcome) to --out.
