@@ -43,7 +43,6 @@ import sys
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -244,7 +243,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     scales = [float(x) for x in args.scales.split(",")]
     points: list[dict] = []
-    bound: dict[str, Any] = {}
+    costs: gb.Costs | None = None
     # NOTE: on a server of its own: measured on the first replay's server, its prompts (eight
     # 32-token ones answered at 1.88x their estimates in a host stall) went into that replay's
     # measured / estimated TTFT and put its p90 at 1.90.
@@ -252,7 +251,7 @@ def main() -> None:
         with launch("all-slo", args, Path(args.logs) / "bound") as api:
             api.prompts = prompts
             asyncio.run(bs.warm_up(api, prompts, 128, args.request_timeout))
-            bound["costs"] = idle_costs(api, prompts)
+            costs = idle_costs(api, prompts)
     for scale in [] if args.bound_only else scales:
         for system in args.systems.split(","):
             print(f"{system} at x{scale:g} ...", flush=True)
@@ -265,7 +264,6 @@ def main() -> None:
             points.append(p)
             print(f"  within SLO {p['within_slo']:.0%} of all, {p['accepted_within_slo']:.0%} "
                   f"of accepted; rejected {p['rejected']}, unanswered {p['timeouts']}", flush=True)
-    costs = bound.get("costs")
     builder = prompts.builder(16, 0)
     bounds = {len(trace) / (span * s): gb.best_served(
         burst_work(trace, builder, s, MAX_OUTPUT), costs, args.ttft_slo, args.tbt_slo) / len(trace)

@@ -92,9 +92,10 @@ class ChunkBudget:
             if beside_decode:
                 # NOTE: a cut pass shorter than the least chunk times the per-pass overhead, not
                 # the speed a chunk runs at: a burst's 1- and 3-token prompts beside a decode ran
-                # at 0.39x the built-in model, the 81-token chunks sized by that speed right after
-                # at 1.27x (167 ms each of a 100 ms budget), and eight decoding requests missed
-                # a 200 ms TBT (204-436 ms). Their wait for the cores is still a wait.
+                # at about 0.4x the built-in model, the 81-token chunks sized by that speed right
+                # after at 1.13x (167 ms each, against 150 ms less the decode's step), and seven
+                # decoding requests missed a 200 ms TBT (204-436 ms). Their wait for the cores is
+                # still a wait.
                 if tokens >= MIN_CHUNK:
                     self._cut.add(compute_s, modelled)
                 self._waits.add_seconds(wait_s)
