@@ -10,7 +10,9 @@ import pytest
 from sched_helpers import BT, MODEL, Clock, cluster, request
 
 from mooncake_server.roles.conductor.scheduler.load import LoadTracker
+from mooncake_server.roles.conductor.scheduler.metrics import SchedulerCollector
 from mooncake_server.roles.conductor.scheduler.oracle import STORE_WIDE
+from mooncake_server.roles.conductor.scheduler.outcomes import RequestOutcomes
 from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler, Plan, SLORejected
 
 
@@ -213,8 +215,9 @@ async def test_a_prompt_beyond_the_bursts_first_pass_is_estimated_in_cut_passes(
 async def test_with_a_ttft_slo_a_bursts_first_pass_runs_past_one_chunk() -> None:
     """Cut off at one chunk, the 400-token prompt would run beside the decoding of the other
     two and miss 1.1 s; in the same first pass (two forwards back to back, answered together)
-    all three answer at 0.92 s. Past one chunk the pass must end within 0.8 of the SLO: its
-    jobs all miss together if it runs long."""
+    all three answer at 0.92 s. Past one chunk the pass must end within 0.8 of the SLO until
+    the scheduler has seen how its long estimates run: its jobs all miss together if it runs
+    long."""
     s = scheduler(Clock(), ttft_slo=1.2)
     shared_prefill(s, chunk_tokens=600)
     got = await burst(s, {"a": 200, "b": 300, "c": 400})
@@ -240,6 +243,40 @@ async def test_with_a_ttft_slo_a_bursts_first_pass_runs_past_one_chunk() -> None
     shared_prefill(s, chunk_tokens=600)
     got = await burst(s, {"a": 200, "b": 300, "c": 400})
     assert [p.first_pass for p in got.values()] == [True, True, False]  # type: ignore[union-attr]
+
+
+def ran_over(s: KVCacheScheduler, clock: Clock, ratio: float) -> None:
+    """A request estimated at the whole TTFT SLO measured `ratio` times that, just now."""
+    assert s.ttft_slo_s is not None
+    s.outcomes = RequestOutcomes(s.ttft_slo_s, s.tbt_slo_s, clock=clock)
+    s.outcomes.placed("earlier", ttft_estimate_s=s.ttft_slo_s, tbt_estimate_s=0.1)
+    clock.now += ratio * s.ttft_slo_s
+    s.outcomes.first_token("earlier")
+    s.outcomes.finished("earlier")
+
+
+@pytest.mark.parametrize(("overrun", "joins"), [(1.05, True), (1.25, False)])
+async def test_the_first_pass_takes_the_share_of_the_slo_recent_estimates_earned(
+        overrun: float, joins: bool) -> None:
+    """c's prompt makes the pass end at 0.92 s, 0.84 of a 1.1 s SLO. Lately a long estimate
+    ran 1.05x: the pass may take 0.9 of the SLO (1 / 1.05, capped), and c joins it. One that
+    ran 1.25x leaves it 0.8, and c runs after the pass, in cut passes (late: refused)."""
+    clock = Clock()
+    s = scheduler(clock, ttft_slo=1.1)
+    ran_over(s, clock, overrun)
+    shared_prefill(s, chunk_tokens=600)
+    got = await burst(s, {"a": 200, "b": 300, "c": 400})
+    if joins:
+        c = got["c"]
+        assert isinstance(c, Plan) and c.first_pass
+        assert c.prefill_estimate.ttft_s == pytest.approx(0.92)
+    else:
+        assert isinstance(got["c"], SLORejected) and "estimated TTFT 1.15 s" in str(got["c"])
+    assert all(isinstance(got[r], Plan) for r in ("a", "b"))
+    # /metrics says which share admission works with now.
+    share = next(m for m in SchedulerCollector(s).collect()
+                 if m.name == "mooncake_scheduler_first_pass_slo_share")
+    assert share.samples[0].value == pytest.approx(0.9 if joins else 0.8)
 
 
 async def test_ranks_are_counted_per_prefill_instance() -> None:

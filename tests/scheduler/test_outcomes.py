@@ -8,6 +8,7 @@ import pytest
 from sched_helpers import Clock
 
 from mooncake_server.roles.conductor.scheduler.outcomes import (
+    OVERRUN_HORIZON_S,
     SECOND_MISSED,
     TBT_MISSED,
     TTFT_MISSED,
@@ -70,3 +71,25 @@ def test_a_request_that_never_got_a_token_is_not_judged() -> None:
     assert outcomes.finished("failed") is None
     assert outcomes.finished("never-placed") is None
     assert not outcomes.counts
+
+
+def test_overrun_is_the_most_a_long_ttft_estimate_ran_over_lately() -> None:
+    """Only estimates of half the SLO or more count (short ones read the per-pass constants,
+    not the host's speed), and only for OVERRUN_HORIZON_S."""
+    clock = Clock()
+    outcomes = RequestOutcomes(ttft_slo_s=1.0, tbt_slo_s=0.2, clock=clock)
+    assert outcomes.overrun() is None
+
+    def ttft(rid: str, estimate: float, measured: float) -> None:
+        outcomes.placed(rid, ttft_estimate_s=estimate, tbt_estimate_s=0.1)
+        clock.now += measured
+        outcomes.first_token(rid)
+        outcomes.finished(rid)
+
+    ttft("short", 0.4, 0.8)  # 2x, but under half the SLO
+    assert outcomes.overrun() is None
+    ttft("long", 0.5, 0.55)
+    ttft("longer", 0.8, 0.72)
+    assert outcomes.overrun() == pytest.approx(1.1)
+    clock.now += OVERRUN_HORIZON_S
+    assert outcomes.overrun() is None

@@ -31,14 +31,28 @@ from mooncake_server.api.burst import Order
 # once on the prefill instance (two 2,048-token chunks of the bundled model: 190 MB in fp32).
 FIRST_PASS_CHUNKS = 2
 # NOTE: past one chunk, a prompt joins the first pass only while the pass's estimated end stays
-# within this share of the TTFT SLO: the pass answers all its jobs when it ends, so one that runs
+# within a share of the TTFT SLO: the pass answers all its jobs when it ends, so one that runs
 # long makes them all miss at once. The estimate reads the host's speed of the last minute, and
 # on a shared host that moves between two passes: in goodput replays on the 2-core AMD machine
 # a 2,048-token forward took 3.61 s and, 12 s later, 4.19 s, and such passes measured 1.05-1.23x
-# their estimates (once 1.35x). At 0.9, in one benchmark run, two such passes (estimated 4.46
-# and 4.47 s) ran 1.12 and 1.23x and their 12 and 9 requests missed; 0.8 covers up to 1.25x.
-# It also needs a timed full pass of `passes.LONG_PASS_SHARE` of a chunk (the start-up one).
-FIRST_PASS_SLO_SHARE = 0.8
+# their estimates (once 1.35x). At 0.9 of the SLO, in one benchmark run, two such passes
+# (estimated 4.46 and 4.47 s) ran 1.12 and 1.23x and their 12 and 9 requests missed. At a fixed
+# 0.8, on a quieter host where passes ran 1.00-1.07x their estimates, it turned away a prompt
+# or two per run that the pass had room for (a 730-token one, estimated to end the pass at
+# 4.4 s). So the share follows how far the long estimates ran over lately (`first_pass_share`):
+# 1 / that overrun, within these bounds, and the lower one until one is measured.
+FIRST_PASS_SLO_SHARE = (0.8, 0.9)
+
+
+
+def first_pass_share(overrun: float | None) -> float:
+    """The share of the TTFT SLO a burst's first pass past one chunk may take, given the most a
+    long TTFT estimate ran over lately (measured / estimated; None: none measured)."""
+    low, high = FIRST_PASS_SLO_SHARE
+    if overrun is None or overrun <= 0:
+        return low
+    return min(high, max(low, 1.0 / overrun))
+
 
 if TYPE_CHECKING:
     from mooncake_server.roles.conductor.scheduler.policy import Plan

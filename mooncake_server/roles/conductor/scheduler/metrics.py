@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mooncake_server.roles.conductor.scheduler.bursts import first_pass_share
 from mooncake_server.roles.conductor.scheduler.outcomes import RECENT_RATIOS, VERDICTS
 from mooncake_server.roles.conductor.scheduler.policy import KVCacheScheduler
 
@@ -38,6 +39,12 @@ class SchedulerCollector(Collector):
             outcomes.add_metric([outcome], s.outcomes.counts[outcome])
         yield outcomes
         yield from _ratio_quantiles(s)
+        share = GaugeMetricFamily(
+            "mooncake_scheduler_first_pass_slo_share", "Share of the TTFT SLO a burst's first "
+            "pass past one chunk may take: 1 / the most a long TTFT estimate ran over lately, "
+            "within bounds")
+        share.add_metric([], first_pass_share(s.outcomes.overrun()))
+        yield share
         bursts = CounterMetricFamily("mooncake_scheduler_bursts",
                                      "Admission decisions (each over the requests that arrived "
                                      "together)")

@@ -9,6 +9,8 @@ decode (KV load, joining the batch), judged as time to the second token against 
 TTFT is from placement to the first token, so it leaves out the HTTP and tokenizer time a
 client also sees. Measured / estimated TTFT and TBT of every request are kept (`ratios`) for
 /metrics: a scheduler that promises what it then misses shows there before its clients see it.
+How far the long TTFT estimates ran over lately (`overrun`) sets how much of the SLO a burst's
+first pass may take (bursts.first_pass_share).
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ TBT_MISSED = "tbt_missed"
 VERDICTS = (WITHIN, TTFT_MISSED, SECOND_MISSED, TBT_MISSED)
 # Measured / estimated ratios kept for /metrics' quantiles.
 RECENT_RATIOS = 1024
+# NOTE: a TTFT estimate is long when it takes this share of the TTFT SLO or more: under it the
+# per-pass constants and the hand-off's jitter weigh more than the host's speed (a burst's
+# 0.9 s pass estimated at 1.11 s read 0.81x), and over it a miss is near.
+LONG_ESTIMATE_SLO_SHARE = 0.5
+# How long a long estimate's overrun counts. The host's speed drifts over minutes (a 2,048-token
+# forward: 3.61 s, and 12 s later 4.19 s); a benchmark's bursts at the lightest rate are 48 s
+# apart, so this spans several of them.
+OVERRUN_HORIZON_S = 300.0
 
 
 def longest_tenth(gaps: int) -> int:
@@ -69,6 +79,8 @@ class RequestOutcomes:
         # measured / estimated, per finished request: "ttft", "tbt"
         self.ratios: dict[str, deque[float]] = {k: deque(maxlen=RECENT_RATIOS)
                                                 for k in ("ttft", "tbt")}
+        # (ended at, measured / estimated TTFT) of the requests with a long estimate.
+        self._long: deque[tuple[float, float]] = deque(maxlen=RECENT_RATIOS)
 
     def placed(self, request_id: str, ttft_estimate_s: float, tbt_estimate_s: float) -> None:
         """The scheduler placed the request with these estimates."""
@@ -106,6 +118,9 @@ class RequestOutcomes:
                                          ("tbt", tbt, t.tbt_estimate_s)):
             if measured is not None and estimated > 0:
                 self.ratios[key].append(measured / estimated)
+        if (self.ttft_slo_s is not None and t.ttft_estimate_s > 0
+                and t.ttft_estimate_s >= LONG_ESTIMATE_SLO_SHARE * self.ttft_slo_s):
+            self._long.append((self._clock(), ttft / t.ttft_estimate_s))
         measured_tbt = f"{tbt * 1000:.0f} ms" if tbt is not None else "-"
         measured_second = f"{second:.2f} s" if second is not None else "-"
         log.info("finished %s (%d tokens): TTFT %.2f s (estimated %.2f), second token %s, TBT %s "
@@ -113,6 +128,13 @@ class RequestOutcomes:
                  ttft, t.ttft_estimate_s, measured_second, measured_tbt,
                  t.tbt_estimate_s * 1000, verdict)
         return verdict
+
+    def overrun(self) -> float | None:
+        """The most a long TTFT estimate (half the SLO or more) ran over lately, measured /
+        estimated; None when none ended within `OVERRUN_HORIZON_S`."""
+        cutoff = self._clock() - OVERRUN_HORIZON_S
+        recent = [ratio for at, ratio in self._long if at > cutoff]
+        return max(recent) if recent else None
 
     def _verdict(self, ttft: float, second: float | None, tbt: float | None) -> str:
         if self.ttft_slo_s is not None and ttft > self.ttft_slo_s:

@@ -44,8 +44,8 @@ from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.conductor.scheduler.bursts import (
     FIRST_PASS_CHUNKS,
-    FIRST_PASS_SLO_SHARE,
     BurstState,
+    first_pass_share,
     settle,
 )
 from mooncake_server.roles.conductor.scheduler.estimators import (
@@ -335,9 +335,16 @@ class KVCacheScheduler:
                                    joins_pass=first and self._burst.shares_forward(
                                        iid, prompt_tokens, chunk))
             if not (first and self.ttft_slo_s is not None
-                    and self._burst.past_one_chunk(iid, prompt_tokens, chunk)
-                    and est.ttft_s > FIRST_PASS_SLO_SHARE * self.ttft_slo_s):
+                    and self._burst.past_one_chunk(iid, prompt_tokens, chunk)):
                 break
+            overrun = self.outcomes.overrun()
+            share = first_pass_share(overrun)
+            if est.ttft_s <= share * self.ttft_slo_s:
+                break
+            log.info("the first pass on %s takes no %d-token prompt: it would end at an "
+                     "estimated %.2f s, past %.2f of the TTFT SLO (long estimates ran over by "
+                     "up to %s lately)", iid, prompt_tokens, est.ttft_s, share,
+                     "-" if overrun is None else f"{overrun:.2f}x")
             self._burst.full.add(iid)  # this and every costlier prompt: after the pass
         return est._replace(first_pass=first)
 
