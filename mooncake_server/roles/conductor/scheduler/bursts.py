@@ -37,12 +37,20 @@ FIRST_PASS_CHUNKS = 2
 # a 2,048-token forward took 3.61 s and, 12 s later, 4.19 s, and such passes measured 1.05-1.23x
 # their estimates (once 1.35x). At 0.9 of the SLO, in one benchmark run, two such passes
 # (estimated 4.46 and 4.47 s) ran 1.12 and 1.23x and their 12 and 9 requests missed. At a fixed
-# 0.8, on a quieter host where passes ran 1.00-1.07x their estimates, it turned away a prompt
-# or two per run that the pass had room for (a 730-token one, estimated to end the pass at
-# 4.4 s). So the share follows how far the long estimates ran over lately (`first_pass_share`):
-# 1 / that overrun, within these bounds, and the lower one until one is measured.
-FIRST_PASS_SLO_SHARE = (0.8, 0.9)
-
+# 0.8, on a steadier host where long passes ran 0.91-0.97x their estimates, it turned away one
+# prompt per burst that the pass had room for (a 1,518-token one that would have ended the pass
+# at an estimated 4.58 s, a 730-token one at 4.61 s). So the share follows how far the long
+# estimates ran over lately (`first_pass_share`): the pass must end within the SLO even if it
+# runs `FIRST_PASS_DRIFT` times further over its estimate than the worst of them, within these
+# bounds.
+FIRST_PASS_SLO_SHARE = (0.8, 0.95)
+# NOTE: how much further over its estimate the next long pass may run than the worst recent
+# one: on the steadier host, one burst's pass ran 1.02x its estimate and a later one 1.09x.
+FIRST_PASS_DRIFT = 1.1
+# NOTE: the overrun assumed until a long estimate has ended: a run's first burst is estimated
+# from the pass the prefill instance timed at start-up, and measured 0.92-1.05x that estimate
+# in the benchmark's runs (a share of 0.85 of the SLO).
+UNMEASURED_OVERRUN = 1.07
 
 
 def first_pass_share(overrun: float | None) -> float:
@@ -50,8 +58,8 @@ def first_pass_share(overrun: float | None) -> float:
     long TTFT estimate ran over lately (measured / estimated; None: none measured)."""
     low, high = FIRST_PASS_SLO_SHARE
     if overrun is None or overrun <= 0:
-        return low
-    return min(high, max(low, 1.0 / overrun))
+        overrun = UNMEASURED_OVERRUN
+    return min(high, max(low, 1.0 / (overrun * FIRST_PASS_DRIFT)))
 
 
 if TYPE_CHECKING:
