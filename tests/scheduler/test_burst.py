@@ -315,3 +315,26 @@ async def test_a_decode_beside_a_prefill_is_judged_with_the_pass_it_will_wait_fo
     assert isinstance(a, Plan) and isinstance(b, Plan)
     assert a.tbt_s == pytest.approx(0.025)  # its own step: no prefill on its cores
     assert b.tbt_s == pytest.approx(0.15)  # 2 sequences' 30 ms step + the 120 ms pass it leaves
+
+
+@pytest.mark.parametrize(("max_tokens", "b_ttft"), [(3, 1.6 + 0.48), (64, 1.6 + 1.65),
+                                                     (None, 1.6 + 1.65)])
+async def test_a_prompt_that_starts_after_the_last_bursts_decoding_waits_for_its_own(
+        max_tokens: int | None, b_ttft: float) -> None:
+    """Twenty requests of an earlier burst decode in 120 ms steps, so a's passes beside them are
+    cut to 30 tokens each waiting 120 ms: 1.6 s. When they have two tokens left each (0.32 s
+    of steps and passes), b, which starts after a, waits only for the step of a decoding (25 ms)
+    in 100-token passes: 0.48 s. Charged the old steps, a burst that came as the last one's
+    requests ended was refused (a 422-token prompt at an estimated 6.01 s, which colocated
+    served in 3.24 s). With 63 tokens left, or lengths unknown, b waits for the old steps, a's
+    among them (125 ms): 1.65 s."""
+    s = scheduler(Clock(), ttft_slo=5.0, tbt_slo=0.2)
+    shared_prefill(s)
+    for i in range(20):
+        s.tracker.assign(f"old{i}", "p1", 0.0, "d1", 1000, max_tokens=max_tokens)
+        s.tracker.prefill_done(f"old{i}")
+    got = await burst(s, {"a": 299, "b": 300})
+    a, b = got["a"], got["b"]
+    assert isinstance(a, Plan) and isinstance(b, Plan)
+    assert a.prefill_estimate.ttft_s == pytest.approx(1.6, abs=0.002)
+    assert b.prefill_estimate.ttft_s == pytest.approx(b_ttft, abs=0.002)

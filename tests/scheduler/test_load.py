@@ -136,3 +136,22 @@ def test_prefills_answered_by_one_batched_pass_calibrate_as_one() -> None:
     assert t.calibration("p1") == pytest.approx(1.0 + 0.3 * (2.003 / 4.0 - 1.0), rel=1e-3)
     t.assign("next", "p1", 1.0, "d1", 10)
     assert t.prefill_queue_s("p1") < 1.0
+
+
+def test_decode_steps_left_counts_each_requests_tokens_per_choice() -> None:
+    """The prefill makes each choice's first token; every token the decode streams after it
+    counts once, a request with n choices streaming n per step."""
+    t = LoadTracker()
+    assert t.decode_steps_left("d1") == 0
+    t.assign("one", "p1", 0.1, "d1", 10, max_tokens=5)
+    t.assign("two", "p1", 0.1, "d1", 10, max_tokens=4, choices=2)
+    assert t.decode_steps_left("d1") == 4
+    for _ in range(3):
+        t.token("one")
+        t.token("two")
+    assert t.decode_steps_left("d1") == 2  # "two": 6 - 3 tokens = 2 steps of 2 choices
+    assert t.decode_steps_left("d1", excluding={"two"}) == 1
+    t.assign("unknown", "p1", 0.1, "d1", 10)
+    assert t.decode_steps_left("d1") is None
+    t.finished("unknown")
+    assert t.decode_steps_left("d1") == 2

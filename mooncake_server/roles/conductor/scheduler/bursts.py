@@ -74,6 +74,8 @@ class BurstState:
     placed: dict[str, int] = field(default_factory=dict)  # instance -> requests placed on it
     first_pass: dict[str, int] = field(default_factory=dict)  # prefill -> its first pass's tokens
     full: set[str] = field(default_factory=set)  # prefills whose first pass takes no more
+    ids: set[str] = field(default_factory=set)  # its requests placed so far
+    context: dict[str, int] = field(default_factory=dict)  # decode -> its prompt tokens there
 
     def count(self, instance_id: str) -> int:
         """Requests of this burst placed on the instance so far."""
@@ -98,9 +100,11 @@ class BurstState:
         c = max(1, chunk_tokens)
         return held > 0 and -(-(held + prompt_tokens) // c) == -(-held // c)
 
-    def record(self, prefill_id: str, decode_id: str, prompt_tokens: int,
+    def record(self, request_id: str, prefill_id: str, decode_id: str, prompt_tokens: int,
                first_pass: bool) -> None:
         """A request of the burst was placed (its prefill in the first pass or after it)."""
+        self.ids.add(request_id)
+        self.context[decode_id] = self.context.get(decode_id, 0) + prompt_tokens
         for iid in (prefill_id, decode_id):
             self.placed[iid] = self.placed.get(iid, 0) + 1
         if first_pass:

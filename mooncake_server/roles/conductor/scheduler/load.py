@@ -19,7 +19,7 @@ is judged by the model again once they age out.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -112,6 +112,8 @@ class LoadTracker:
         self._last_token_at: dict[str, float] = {}  # request id -> its previous token's arrival
         self._first_token_at: dict[str, float] = {}  # request id -> prefill's token, until decode's
         self._incarnations: dict[str, str] = {}  # instance id -> the process last registered
+        # request id -> (tokens its decode may still stream, choices it streams them for)
+        self._tokens_left: dict[str, tuple[int, int]] = {}
 
     def _get(self, instance_id: str) -> _Instance:
         inst = self._instances.get(instance_id)
@@ -142,8 +144,12 @@ class LoadTracker:
         inst.last_done_at = float("-inf")
 
     def assign(self, request_id: str, prefill_id: str, prefill_estimate_s: float,
-               decode_id: str, context_tokens: int, *, own_split: bool = False) -> None:
-        """A request was placed: queue its prefill, count it in its decode batch."""
+               decode_id: str, context_tokens: int, *, own_split: bool = False,
+               max_tokens: int | None = None, choices: int = 1) -> None:
+        """A request was placed: queue its prefill, count it in its decode batch (and, with
+        `max_tokens`, how long it may decode: the prefill makes each choice's first token)."""
+        if max_tokens is not None:
+            self._tokens_left[request_id] = (max(0, max_tokens - 1) * choices, max(1, choices))
         self._get(prefill_id).prefill.append(
             _PrefillEntry(request_id, prefill_estimate_s, self._clock(), own_split))
         self._prefill_of[request_id] = prefill_id
@@ -203,6 +209,9 @@ class LoadTracker:
         inst = self._get(decode_id)
         if request_id in inst.decode:
             inst.decode[request_id] += 1
+        left = self._tokens_left.get(request_id)
+        if left is not None:
+            self._tokens_left[request_id] = (max(0, left[0] - 1), left[1])
         now = self._clock()
         last = self._last_token_at.get(request_id)
         self._last_token_at[request_id] = now
@@ -242,6 +251,7 @@ class LoadTracker:
                 inst.left_since_beat += 1
         self._last_token_at.pop(request_id, None)
         self._first_token_at.pop(request_id, None)
+        self._tokens_left.pop(request_id, None)
 
     def heard(self, instance_id: str) -> None:
         """A heartbeat of the instance arrived: it counts the work that left before it."""
@@ -308,6 +318,22 @@ class LoadTracker:
             context += int((reported - batch) * mean)
             batch = reported
         return DecodeLoad(batch, context)
+
+    def decode_steps_left(self, instance_id: str, excluding: Collection[str] = ()) -> int | None:
+        """The most steps any request on this decode instance (but `excluding`) may still take
+        (0: none decodes); None when one's length is unknown."""
+        inst = self._instances.get(instance_id)
+        if inst is None:
+            return 0
+        most = 0
+        for rid in inst.decode:
+            if rid in excluding:
+                continue
+            left = self._tokens_left.get(rid)
+            if left is None:
+                return None
+            most = max(most, -(-left[0] // left[1]))
+        return most
 
     def _beat_work(self, instance_id: str, reported: int) -> int:
         """A heartbeat's count of work, less what this ledger saw leave since it was sent."""

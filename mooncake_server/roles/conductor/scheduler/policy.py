@@ -48,6 +48,7 @@ from mooncake_server.roles.conductor.scheduler.bursts import (
     first_pass_share,
     settle,
 )
+from mooncake_server.roles.conductor.scheduler.decode_steps import DecodeSteps, Steps
 from mooncake_server.roles.conductor.scheduler.estimators import (
     Passes,
     PrefillEstimate,
@@ -179,12 +180,13 @@ class KVCacheScheduler:
             uncalibrated = est.compute_s / est.calibration + est.transfer_s
             self.tracker.assign(request.request_id, est.instance_id, uncalibrated,
                                 plan.decode.instance_id, len(request.prompt_token_ids),
-                                own_split=est.split)
+                                own_split=est.split, max_tokens=request.sampling.max_tokens,
+                                choices=request.sampling.n)
             self.outcomes.placed(request.request_id, est.ttft_s, plan.tbt_s)
             start_by = (None if self.ttft_slo_s is None else
                         time.monotonic() + self.ttft_slo_s - est.compute_s - est.transfer_s)
             plan = plan._replace(order=order, start_by=start_by)
-            self._burst.record(est.instance_id, plan.decode.instance_id,
+            self._burst.record(request.request_id, est.instance_id, plan.decode.instance_id,
                                len(request.prompt_token_ids), plan.first_pass)
         return plan
 
@@ -205,9 +207,8 @@ class KVCacheScheduler:
         if not prefills or not decodes:
             return None
         n = len(request.prompt_token_ids)
-        busy_step = self._busiest_decode_step(decodes)
-        burst_step = self._busiest_decode_step(decodes, with_burst=True)
-        estimates = [self._estimate(info, n, hits, busy_step, burst_step) for info in prefills]
+        steps = self._steps().now(decodes, self._burst, self.tbt_slo_s)
+        estimates = [self._estimate(info, n, hits, steps) for info in prefills]
         choices = [self._decode_choice(info, request) for info in decodes]
         if self.policy is Policy.RANDOM:
             best_p = self._rng.choice(estimates)
@@ -242,53 +243,35 @@ class KVCacheScheduler:
         return min(fitting, key=lambda c: (c.tbt_s + c.handoff_s / _RANK_GAPS,
                                            c.info.instance_id))
 
-    def _busiest_decode_step(self, decodes: list[InstanceInfo], with_burst: bool = False) -> float:
-        """The longest decode step now (`with_burst`: once the burst being decided decodes too),
-        as each decode instance runs its own (0.0 when every decode idles). The bare built-in
-        model (one machine's fp32 steps) charged every cut prefill pass a wait for a step three
-        times the one it waited for here.
-        """
-        steps = [0.0]
-        for info in decodes:
-            beat = self.registry.load(info.instance_id)
-            load = self.tracker.decode_load(info.instance_id, beat)
-            if not with_burst and load.batch <= self._burst.count(info.instance_id):
-                continue  # only the burst being decided, still to prefill: idle until then
-            if not load.batch:
-                continue
-            steps.append(self._own_step_s(info.instance_id, beat,
-                                          self.model.decode_step_s(load.batch,
-                                                                   load.context_tokens)))
-        return max(steps)
+    def _steps(self) -> DecodeSteps:
+        """The decode steps as this scheduler's ledger and registry say now."""
+        return DecodeSteps(self.model, self.registry, self.tracker)
 
-    def _own_step_s(self, instance_id: str, beat: Heartbeat | None, modelled_s: float) -> float:
-        """A decode instance's step modelled at `modelled_s`, scaled by its own measured /
-        modelled steps (its heartbeat), else by the gaps seen here."""
-        if beat is not None and beat.step_ratio is not None:
-            return modelled_s * beat.step_ratio
-        return modelled_s * self.tracker.decode_calibration(instance_id)
-
-    def _passes(self, instance_id: str, beat: Heartbeat | None, busy_step: float,
-                burst_step: float, prompt_tokens: int) -> tuple[Passes | None, bool]:
+    def _passes(self, instance_id: str, beat: Heartbeat | None, steps: Steps,
+                prompt_tokens: int, queue_s: float) -> tuple[Passes | None, bool]:
         """How a prompt placed now on the instance will be computed, by its own account, and
         whether it joins its burst's first full pass.
 
-        Its passes are cut while a decode on its cores has work: one does now (`busy_step`), the
-        jobs queued ahead of its burst hand theirs on while it waits, or it runs after its
-        burst's first pass, beside that pass's decoding requests (`burst_step`). Each cut pass
+        Its passes are cut while a decode on its cores has work: one does now (`steps.busy`),
+        the jobs queued ahead of its burst hand theirs on while it waits, or it runs after its
+        burst's first pass, beside that pass's decoding requests (`steps.burst`). Each cut pass
         waits for a decode step, at least the modelled step of the largest batch, and takes what
-        that step leaves of the TBT SLO (cost_model/passes.py).
+        that step leaves of the TBT SLO (cost_model/passes.py). A prompt that starts (after
+        `queue_s`) once the work placed before its burst has ended waits only for the steps of
+        its burst's requests placed before it (`steps.own`).
         """
         split = beat.passes if beat is not None else None
         if split is None:
             return None, False
         if not split.shared:
             return Passes(split.chunk_tokens, split.ratio), False
-        if self._queued_before_burst(instance_id, beat, busy_step):
-            step = busy_step
+        if self._queued_before_burst(instance_id, beat, steps.busy):
+            step = steps.busy
+            if queue_s >= steps.drain_s and not self._queued_ahead(instance_id, beat):
+                step = steps.own
         elif not self._burst.fits_first_pass(instance_id, prompt_tokens,
                                              self._first_pass_cap(split)):
-            step = max(busy_step, burst_step)
+            step = max(steps.busy, steps.burst)
         else:
             return Passes(split.chunk_tokens, split.ratio), True
         chunk = split.cut_tokens
@@ -312,11 +295,14 @@ class KVCacheScheduler:
         on while the burst waits). A burst's own jobs do not count: the instance batches them
         into full passes (counted as cutting, a burst's 500-token prompts were estimated at
         5.4 s behind two 1-token ones, and the burst ran whole in 1.9 s)."""
-        queued = self.tracker.prefill_queue_len(instance_id, beat) - self._burst.count(instance_id)
-        return busy_step > 0 or queued > 0
+        return busy_step > 0 or self._queued_ahead(instance_id, beat)
+
+    def _queued_ahead(self, instance_id: str, beat: Heartbeat | None) -> bool:
+        """Prefill jobs of earlier bursts are queued or running on the instance."""
+        return self.tracker.prefill_queue_len(instance_id, beat) > self._burst.count(instance_id)
 
     def _estimate(self, info: InstanceInfo, prompt_tokens: int, hits: dict[str, int],
-                  busy_step: float, burst_step: float) -> PrefillEstimate:
+                  steps: Steps) -> PrefillEstimate:
         bt = self.block_tokens
         cap = reusable_blocks(prompt_tokens, bt)
         local = min(hits.get(info.instance_id, 0), cap) * bt
@@ -325,12 +311,12 @@ class KVCacheScheduler:
             remote = 0  # an instance reuses only what it holds itself
         beat = self.registry.load(info.instance_id)
         iid = info.instance_id
+        queue_s = self.tracker.prefill_queue_s(iid, beat)
         for _ in range(2):
-            passes, first = self._passes(iid, beat, busy_step, burst_step, prompt_tokens)
+            passes, first = self._passes(iid, beat, steps, prompt_tokens, queue_s)
             chunk = passes.chunk_tokens if passes is not None else 0
             est = estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
-                                   remote_tokens=remote,
-                                   queue_s=self.tracker.prefill_queue_s(iid, beat),
+                                   remote_tokens=remote, queue_s=queue_s,
                                    calibration=self.tracker.calibration(iid), passes=passes,
                                    joins_pass=first and self._burst.shares_forward(
                                        iid, prompt_tokens, chunk))
@@ -354,7 +340,7 @@ class KVCacheScheduler:
         n = len(request.prompt_token_ids)
         step = estimate_tbt(self.model, load, n)
         iid = info.instance_id
-        own = self._own_step_s(iid, beat, step)
+        own = self._steps().own_step_s(iid, beat, step)
         # The instance reports its wait for the cores (a prefill pass beside it) apart from its
         # step: the wait does not scale with the batch. Gaps seen here mix the two in one ratio.
         wait = (beat.wait_s or 0.0) if beat is not None else 0.0
