@@ -338,3 +338,20 @@ async def test_a_prompt_that_starts_after_the_last_bursts_decoding_waits_for_its
     assert isinstance(a, Plan) and isinstance(b, Plan)
     assert a.prefill_estimate.ttft_s == pytest.approx(1.6, abs=0.002)
     assert b.prefill_estimate.ttft_s == pytest.approx(b_ttft, abs=0.002)
+
+
+async def test_small_prompts_after_the_first_pass_share_the_pass_they_are_batched_in() -> None:
+    """Beside a busy decode the instance takes a job and those after it that fit in one chunk
+    beside it, and computes them in one pass: the jobs that join pay their tokens, not another
+    pass's 10 ms and 50 ms wait. Charged a pass each, eight prompts of 1-6 tokens were
+    estimated at 0.12-1.00 s and answered at 0.07-0.34 s, and the 444-token prompt behind
+    them was refused at an estimated 5.38 s."""
+    s = scheduler(Clock(), ttft_slo=5.0)
+    shared_prefill(s)
+    for i in range(2):  # an earlier burst decodes: every pass is cut to 100 tokens
+        s.tracker.assign(f"old{i}", "p1", 0.0, "d1", 100)
+        s.tracker.prefill_done(f"old{i}")
+    got = await burst(s, {"a": 1, "b": 2, "c": 3, "d": 50, "e": 100})
+    ttfts = [got[r].prefill_estimate.ttft_s for r in "abcde"]  # type: ignore[union-attr]
+    # a: 10 + 1 ms after a 50 ms wait; b, c, d join its pass (56 tokens); e opens the next.
+    assert ttfts == pytest.approx([0.061, 0.063, 0.066, 0.116, 0.116 + 0.11 + 0.05])

@@ -76,6 +76,8 @@ class BurstState:
     full: set[str] = field(default_factory=set)  # prefills whose first pass takes no more
     ids: set[str] = field(default_factory=set)  # its requests placed so far
     context: dict[str, int] = field(default_factory=dict)  # decode -> its prompt tokens there
+    # prefill -> prompt tokens of the batch its last job after the first pass opened
+    batch: dict[str, int] = field(default_factory=dict)
 
     def count(self, instance_id: str) -> int:
         """Requests of this burst placed on the instance so far."""
@@ -100,10 +102,22 @@ class BurstState:
         c = max(1, chunk_tokens)
         return held > 0 and -(-(held + prompt_tokens) // c) == -(-held // c)
 
+    def joins_batch(self, instance_id: str, prompt_tokens: int, chunk_tokens: int) -> bool:
+        """Whether a prompt after the first pass is batched with the job placed before it: the
+        instance takes the next job and those after it that fit in one chunk beside it
+        (roles/prefill/job_queue.py), and computes them in one pass."""
+        held = self.batch.get(instance_id, 0)
+        return held > 0 and held + prompt_tokens <= chunk_tokens
+
     def record(self, request_id: str, prefill_id: str, decode_id: str, prompt_tokens: int,
-               first_pass: bool) -> None:
-        """A request of the burst was placed (its prefill in the first pass or after it)."""
+               first_pass: bool, chunk_tokens: int = 0) -> None:
+        """A request of the burst was placed (its prefill in the first pass or after it, in
+        passes of `chunk_tokens`; 0: not known)."""
         self.ids.add(request_id)
+        if not first_pass:
+            joined = self.joins_batch(prefill_id, prompt_tokens, chunk_tokens)
+            self.batch[prefill_id] = (self.batch.get(prefill_id, 0) if joined else 0) + \
+                (prompt_tokens if chunk_tokens else 0)
         self.context[decode_id] = self.context.get(decode_id, 0) + prompt_tokens
         for iid in (prefill_id, decode_id):
             self.placed[iid] = self.placed.get(iid, 0) + 1

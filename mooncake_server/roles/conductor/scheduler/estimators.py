@@ -35,6 +35,8 @@ class PrefillEstimate(NamedTuple):
     # applied to it again.
     split: bool = False
     first_pass: bool = False  # it joins its burst's first full pass (scheduler/bursts.py)
+    # After it: the chunk its passes were estimated in (0: the conductor's own calibration).
+    chunk_tokens: int = 0
 
 
 def reusable_blocks(prompt_tokens: int, block_tokens: int) -> int:
@@ -58,14 +60,16 @@ def prefill_compute_s(model: PerfModel, new_tokens: int, cached_tokens: int, *,
     the instance's `passes`, pass by pass (its own ratio, and each pass's wait for the cores).
 
     `joins_pass`: its first pass is one that other prompts already pay for (a burst's first
-    pass): its fixed cost is not charged again (charged per prompt, ten 1-token prompts of a
-    burst added 0.7 s to the estimates behind them).
+    pass, or the pass of the jobs the instance batches it with): its fixed cost and its wait
+    for the cores are not charged again (charged per prompt, ten 1-token prompts of a burst
+    added 0.7 s to the estimates behind them).
     """
-    shared = model.prefill_c if joins_pass and new_tokens > 0 else 0.0
+    joins = joins_pass and new_tokens > 0
+    shared = model.prefill_c if joins else 0.0
     if passes is None:
         return (model.prefill_s(new_tokens, cached_tokens) - shared) * calibration
     modelled, n = model.chunked_prefill_s(new_tokens, cached_tokens, passes.chunk_tokens)
-    return (modelled - shared) * passes.ratio + n * passes.wait_s
+    return (modelled - shared) * passes.ratio + (n - joins) * passes.wait_s
 
 
 def estimate_prefill(model: PerfModel, instance_id: str, prompt_tokens: int, *,

@@ -187,7 +187,7 @@ class KVCacheScheduler:
                         time.monotonic() + self.ttft_slo_s - est.compute_s - est.transfer_s)
             plan = plan._replace(order=order, start_by=start_by)
             self._burst.record(request.request_id, est.instance_id, plan.decode.instance_id,
-                               len(request.prompt_token_ids), plan.first_pass)
+                               len(request.prompt_token_ids), plan.first_pass, est.chunk_tokens)
         return plan
 
     def _settle(self, plans: list[Plan | None]) -> list[Plan | None]:
@@ -318,8 +318,9 @@ class KVCacheScheduler:
             est = estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
                                    remote_tokens=remote, queue_s=queue_s,
                                    calibration=self.tracker.calibration(iid), passes=passes,
-                                   joins_pass=first and self._burst.shares_forward(
-                                       iid, prompt_tokens, chunk))
+                                   joins_pass=self._burst.shares_forward(
+                                       iid, prompt_tokens, chunk) if first else
+                                   self._burst.joins_batch(iid, prompt_tokens, chunk))
             if not (first and self.ttft_slo_s is not None
                     and self._burst.past_one_chunk(iid, prompt_tokens, chunk)):
                 break
@@ -332,7 +333,7 @@ class KVCacheScheduler:
                      "up to %s lately)", iid, prompt_tokens, est.ttft_s, share,
                      "-" if overrun is None else f"{overrun:.2f}x")
             self._burst.full.add(iid)  # this and every costlier prompt: after the pass
-        return est._replace(first_pass=first)
+        return est._replace(first_pass=first, chunk_tokens=chunk)
 
     def _decode_choice(self, info: InstanceInfo, request: GenerateRequest) -> _DecodeChoice:
         beat = self.registry.load(info.instance_id)
