@@ -41,8 +41,8 @@ class SchedulerCollector(Collector):
         yield from _ratio_quantiles(s)
         share = GaugeMetricFamily(
             "mooncake_scheduler_first_pass_slo_share", "Share of the TTFT SLO a burst's first "
-            "pass past one chunk may take: 1 / the most a long TTFT estimate ran over lately, "
-            "within bounds")
+            "pass past one chunk may take: room for 10% more than the most a long TTFT "
+            "estimate ran over lately (0.8-0.95)")
         share.add_metric([], first_pass_share(s.outcomes.overrun()))
         yield share
         bursts = CounterMetricFamily("mooncake_scheduler_bursts",
