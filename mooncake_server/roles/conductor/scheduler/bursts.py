@@ -114,10 +114,10 @@ class BurstState:
         """A request of the burst was placed (its prefill in the first pass or after it, in
         passes of `chunk_tokens`; 0: not known)."""
         self.ids.add(request_id)
-        if not first_pass:
+        if not first_pass and chunk_tokens:
             joined = self.joins_batch(prefill_id, prompt_tokens, chunk_tokens)
-            self.batch[prefill_id] = (self.batch.get(prefill_id, 0) if joined else 0) + \
-                (prompt_tokens if chunk_tokens else 0)
+            held = self.batch.get(prefill_id, 0) if joined else 0
+            self.batch[prefill_id] = held + prompt_tokens
         self.context[decode_id] = self.context.get(decode_id, 0) + prompt_tokens
         for iid in (prefill_id, decode_id):
             self.placed[iid] = self.placed.get(iid, 0) + 1

@@ -69,7 +69,8 @@ def prefill_compute_s(model: PerfModel, new_tokens: int, cached_tokens: int, *,
     if passes is None:
         return (model.prefill_s(new_tokens, cached_tokens) - shared) * calibration
     modelled, n = model.chunked_prefill_s(new_tokens, cached_tokens, passes.chunk_tokens)
-    return (modelled - shared) * passes.ratio + (n - joins) * passes.wait_s
+    waits = n - 1 if joins else n
+    return (modelled - shared) * passes.ratio + waits * passes.wait_s
 
 
 def estimate_prefill(model: PerfModel, instance_id: str, prompt_tokens: int, *,

@@ -112,8 +112,9 @@ class LoadTracker:
         self._last_token_at: dict[str, float] = {}  # request id -> its previous token's arrival
         self._first_token_at: dict[str, float] = {}  # request id -> prefill's token, until decode's
         self._incarnations: dict[str, str] = {}  # instance id -> the process last registered
-        # request id -> (tokens its decode may still stream, choices it streams them for)
-        self._tokens_left: dict[str, tuple[int, int]] = {}
+        # request id -> (its context once every choice streamed max_tokens, choices): what it
+        # has left is read off its context, which grows by one with each token
+        self._ends: dict[str, tuple[int, int]] = {}
 
     def _get(self, instance_id: str) -> _Instance:
         inst = self._instances.get(instance_id)
@@ -149,7 +150,8 @@ class LoadTracker:
         """A request was placed: queue its prefill, count it in its decode batch (and, with
         `max_tokens`, how long it may decode: the prefill makes each choice's first token)."""
         if max_tokens is not None:
-            self._tokens_left[request_id] = (max(0, max_tokens - 1) * choices, max(1, choices))
+            self._ends[request_id] = (context_tokens + max(0, max_tokens - 1) * choices,
+                                      max(1, choices))
         self._get(prefill_id).prefill.append(
             _PrefillEntry(request_id, prefill_estimate_s, self._clock(), own_split))
         self._prefill_of[request_id] = prefill_id
@@ -209,9 +211,6 @@ class LoadTracker:
         inst = self._get(decode_id)
         if request_id in inst.decode:
             inst.decode[request_id] += 1
-        left = self._tokens_left.get(request_id)
-        if left is not None:
-            self._tokens_left[request_id] = (max(0, left[0] - 1), left[1])
         now = self._clock()
         last = self._last_token_at.get(request_id)
         self._last_token_at[request_id] = now
@@ -251,7 +250,7 @@ class LoadTracker:
                 inst.left_since_beat += 1
         self._last_token_at.pop(request_id, None)
         self._first_token_at.pop(request_id, None)
-        self._tokens_left.pop(request_id, None)
+        self._ends.pop(request_id, None)
 
     def heard(self, instance_id: str) -> None:
         """A heartbeat of the instance arrived: it counts the work that left before it."""
@@ -326,13 +325,13 @@ class LoadTracker:
         if inst is None:
             return 0
         most = 0
-        for rid in inst.decode:
+        for rid, context in inst.decode.items():
             if rid in excluding:
                 continue
-            left = self._tokens_left.get(rid)
-            if left is None:
+            end = self._ends.get(rid)
+            if end is None:
                 return None
-            most = max(most, -(-left[0] // left[1]))
+            most = max(most, -(-max(0, end[0] - context) // end[1]))
         return most
 
     def _beat_work(self, instance_id: str, reported: int) -> int:
