@@ -266,6 +266,15 @@ class GapTailCalibration:
         tail = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered))):]
         return (sum(s[1] for s in tail) / len(tail), sum(s[2] for s in tail) / len(tail))
 
+    def mean_ratio(self) -> float:
+        """Measured / modelled over all the recent steps (the quiet ratio when none is): what
+        a sum of many steps runs at, where one gap is judged by the tail."""
+        self._recent.expire()
+        samples = self._recent.samples
+        if not samples:
+            return self.quiet_ratio
+        return sum(s[1] for s in samples) / len(samples)
+
     def predict(self, modelled_s: float) -> float:
         """The slow tail of a gap whose step the model puts at `modelled_s`."""
         ratio, wait = self.split(modelled_s)

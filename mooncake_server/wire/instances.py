@@ -58,6 +58,9 @@ class Heartbeat(BaseModel):
     # the seconds a step waits for the cores first (each the slow tail of the last seconds).
     step_ratio: float | None = None
     wait_s: float | None = None
+    # ... and measured / modelled over all its recent steps: what a prefill's passes beside
+    # them wait for, summed over many steps.
+    step_ratio_mean: float | None = None
     # A prefill instance with a cost model: how its passes go now (TTFT estimates).
     passes: PassSplit | None = None
 

@@ -116,3 +116,14 @@ def test_a_wait_for_the_cores_is_added_to_a_step_not_scaled_with_the_batch() -> 
     clock.now += 10.0  # the prompts are done: the waits age out with the steps
     assert a.wait_s == 0.0
     a.reserve("d", prompt_tokens=4, max_tokens=4)
+
+
+def test_it_reports_its_steps_mean_ratio_beside_the_slow_tail() -> None:
+    """The heartbeat carries both: TBT is judged by the slow tail, a prompt's many passes
+    beside the steps by their mean."""
+    a = admission(tbt_slo=1.0)
+    assert a.mean_step_ratio() == 1.0  # nothing measured: the model's own steps
+    for i in range(100):  # one step in ten 3x slower than the model (25 ms at batch 1)
+        a.observe_step(batch=1, context=4, compute_s=0.075 if i % 10 == 0 else 0.025)
+    assert a.calibration == pytest.approx(3.0)
+    assert a.mean_step_ratio() == pytest.approx(1.2)

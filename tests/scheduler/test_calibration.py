@@ -110,6 +110,21 @@ def test_a_gap_tail_counts_a_slow_step_and_a_long_wait_only_when_they_came_toget
     assert cal.predict(0.2) == pytest.approx(0.6)
 
 
+def test_many_steps_run_at_the_mean_ratio_where_one_gap_is_judged_by_the_tail() -> None:
+    """A prompt's cut passes wait for dozens of steps: their sum runs at the mean of the
+    steps' ratios, not at the slow tail a single gap (TBT) is judged by."""
+    clock = Clock()
+    cal = GapTailCalibration(horizon_s=10.0, clock=clock)
+    cal.seed_quiet(0.01, 0.02)
+    assert cal.mean_ratio() == pytest.approx(0.5)  # nothing recent: the quiet step
+    for i in range(100):
+        cal.add(0.06 if i % 10 == 5 else 0.02, 0.02)  # one step in ten 3x slow
+    assert cal.split(0.02)[0] == pytest.approx(3.0)
+    assert cal.mean_ratio() == pytest.approx(1.2)
+    clock.now += 10.0
+    assert cal.mean_ratio() == pytest.approx(0.5)
+
+
 def test_a_gap_tail_forgets_by_time() -> None:
     clock = Clock()
     cal = GapTailCalibration(horizon_s=10.0, clock=clock)

@@ -295,3 +295,11 @@ async def test_a_cut_pass_waits_for_the_decode_step_as_that_decode_measures_it()
     s.registry.heartbeat(Heartbeat(instance_id="d1", running=10, step_ratio=0.5, wait_s=0.0))
     plan = await s.plan(request("measured", 800), keys(800))  # 35 ms: the passes' own 50 ms
     assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(8 * 0.16)
+    s.release("measured")
+    # The slow tail of its steps (TBT) runs 2x the model, their mean 0.5x: a prompt's passes
+    # wait for many steps, so the mean (35 ms) is what they are charged.
+    s.registry.heartbeat(Heartbeat(instance_id="d1", running=10, step_ratio=2.0, wait_s=0.0,
+                                   step_ratio_mean=0.5))
+    plan = await s.plan(request("mean", 800), keys(800))
+    assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(8 * 0.16)
+    assert plan.tbt_s > 2 * 0.07  # the request's own gaps: judged by the tail

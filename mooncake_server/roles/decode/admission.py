@@ -94,6 +94,10 @@ class DecodeAdmission:
         context = sum(h.context for h in self._held.values())
         return self._gaps.split(self.model.decode_step_s(len(self._held) + 1, context))
 
+    def mean_step_ratio(self) -> float:
+        """Measured / modelled step over all the last horizon_s's steps (1.0 without a model)."""
+        return self._gaps.mean_ratio() if self.model is not None else 1.0
+
     @property
     def calibration(self) -> float:
         """Measured / modelled step time in the slow tail of recent gaps (`gap_split`)."""

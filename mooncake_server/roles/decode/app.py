@@ -292,6 +292,7 @@ def _heartbeat(iid: str, loop: WriteBackLoop, free_blocks: int,
     return Heartbeat(instance_id=iid, running=loop.load[0], waiting=loop.load[1],
                      free_blocks=free_blocks,
                      step_ratio=ratio if timed else None,
+                     step_ratio_mean=admission.mean_step_ratio() if timed else None,
                      wait_s=wait if timed else None)
 
 

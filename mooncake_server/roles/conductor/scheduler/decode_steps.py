@@ -17,12 +17,14 @@ from mooncake_server.cost_model.passes import pass_budget_s
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.conductor.scheduler.bursts import BurstState
+from mooncake_server.roles.conductor.scheduler.estimators import PrefillEstimate
 from mooncake_server.roles.conductor.scheduler.load import LoadTracker
 from mooncake_server.wire.instances import Heartbeat, InstanceInfo
 
 
 class Steps(NamedTuple):
-    """Decode steps (seconds) while a burst is decided."""
+    """Decode steps (seconds) while a burst is decided: each the mean a step runs at, since a
+    prompt's passes wait for many of them."""
 
     busy: float  # the longest now, of the work placed before the burst (0.0: none)
     burst: float  # the longest once the burst decodes too
@@ -46,11 +48,16 @@ class DecodeSteps:
         return Steps(busy, self._busiest(decodes, burst, with_burst=True),
                      self._drain_s(decodes, burst, busy, tbt_slo_s), self._own(decodes, burst))
 
-    def own_step_s(self, instance_id: str, beat: Heartbeat | None, modelled_s: float) -> float:
+    def own_step_s(self, instance_id: str, beat: Heartbeat | None, modelled_s: float, *,
+                   mean: bool = False) -> float:
         """A decode instance's step modelled at `modelled_s`, scaled by its own measured /
-        modelled steps (its heartbeat), else by the gaps seen here."""
-        if beat is not None and beat.step_ratio is not None:
-            return modelled_s * beat.step_ratio
+        modelled steps (its heartbeat: their slow tail, which one gap is judged by, or with
+        `mean` all of them, which a prompt's many passes wait for), else by the gaps seen here."""
+        if beat is not None:
+            ratio = beat.step_ratio_mean if mean else None
+            ratio = beat.step_ratio if ratio is None else ratio
+            if ratio is not None:
+                return modelled_s * ratio
         return modelled_s * self.tracker.decode_calibration(instance_id)
 
     def _busiest(self, decodes: list[InstanceInfo], burst: BurstState, *,
@@ -70,7 +77,8 @@ class DecodeSteps:
                 continue
             steps.append(self.own_step_s(info.instance_id, beat,
                                          self.model.decode_step_s(load.batch,
-                                                                  load.context_tokens)))
+                                                                  load.context_tokens),
+                                         mean=True))
         return max(steps)
 
     def _drain_s(self, decodes: list[InstanceInfo], burst: BurstState, busy: float,
@@ -99,5 +107,18 @@ class DecodeSteps:
             rows = burst.count(iid)
             if rows:
                 modelled = self.model.decode_step_s(rows, burst.context.get(iid, 0))
-                steps.append(self.own_step_s(iid, self.registry.load(iid), modelled))
+                steps.append(self.own_step_s(iid, self.registry.load(iid), modelled, mean=True))
         return max(steps)
+
+
+def describe_passes(est: PrefillEstimate, steps: Steps) -> str:
+    """How an estimate computes its prompt, for the placement's log line: a misjudged cut-pass
+    estimate shows which of its parts (chunk, wait, the steps) was off."""
+    if est.first_pass:
+        return "in the burst's first pass"
+    if not est.chunk_tokens:
+        return "calibrated"
+    return (f"passes of {est.chunk_tokens} tokens after {est.pass_wait_s * 1000:.0f} ms waits; "
+            f"decode step {steps.busy * 1000:.0f} ms, {steps.burst * 1000:.0f} ms with the "
+            f"burst, {steps.own * 1000:.0f} ms its own; the earlier work ends in "
+            f"{steps.drain_s:.2f} s")

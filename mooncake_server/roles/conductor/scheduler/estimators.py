@@ -35,8 +35,10 @@ class PrefillEstimate(NamedTuple):
     # applied to it again.
     split: bool = False
     first_pass: bool = False  # it joins its burst's first full pass (scheduler/bursts.py)
-    # After it: the chunk its passes were estimated in (0: the conductor's own calibration).
+    # After it: the chunk its passes were estimated in (0: the conductor's own calibration),
+    # and the wait for the cores charged before each of them.
     chunk_tokens: int = 0
+    pass_wait_s: float = 0.0
 
 
 def reusable_blocks(prompt_tokens: int, block_tokens: int) -> int:

@@ -48,7 +48,11 @@ from mooncake_server.roles.conductor.scheduler.bursts import (
     first_pass_share,
     settle,
 )
-from mooncake_server.roles.conductor.scheduler.decode_steps import DecodeSteps, Steps
+from mooncake_server.roles.conductor.scheduler.decode_steps import (
+    DecodeSteps,
+    Steps,
+    describe_passes,
+)
 from mooncake_server.roles.conductor.scheduler.estimators import (
     Passes,
     PrefillEstimate,
@@ -222,9 +226,9 @@ class KVCacheScheduler:
         # One line per placement: with the client's TTFT / TBT it tells a misjudged admission
         # (estimate under the SLO, measurement over it) from an overloaded one.
         log.info("placing %s (%d prompt tokens, %d reused) on %s / %s: estimated TTFT %.2f s "
-                 "(queue %.2f s), TBT %.0f ms", request.request_id, n, best_p.reused_tokens,
+                 "(queue %.2f s, %s), TBT %.0f ms", request.request_id, n, best_p.reused_tokens,
                  best_p.instance_id, best_d.info.instance_id, best_p.ttft_s, best_p.queue_s,
-                 best_d.tbt_s * 1000)
+                 describe_passes(best_p, steps), best_d.tbt_s * 1000)
         prefill = next(i for i in prefills if i.instance_id == best_p.instance_id)
         reuse = ("global" if self.policy is Policy.CACHE_GLOBAL and best_p.fetched_tokens
                  else "local")
@@ -333,7 +337,8 @@ class KVCacheScheduler:
                      "up to %s lately)", iid, prompt_tokens, est.ttft_s, share,
                      "-" if overrun is None else f"{overrun:.2f}x")
             self._burst.full.add(iid)  # this and every costlier prompt: after the pass
-        return est._replace(first_pass=first, chunk_tokens=chunk)
+        return est._replace(first_pass=first, chunk_tokens=chunk,
+                            pass_wait_s=passes.wait_s if passes is not None else 0.0)
 
     def _decode_choice(self, info: InstanceInfo, request: GenerateRequest) -> _DecodeChoice:
         beat = self.registry.load(info.instance_id)
