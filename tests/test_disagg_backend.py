@@ -191,8 +191,9 @@ async def test_prefill_failure(backend: RequestPath, peers: Peers, status: int,
 
 async def test_with_a_ttft_slo_the_job_says_when_it_must_start(registry: InstanceRegistry,
                                                               peers: Peers) -> None:
-    """The prefill job carries its burst's order and the seconds left to start it within the
-    TTFT SLO: the prefill instance refuses it (429, above) once that has passed."""
+    """The prefill job carries its burst's order, the seconds left to start it within the
+    TTFT SLO (the prefill instance refuses it, 429 above, once that has passed) and to answer
+    it."""
     peers.decode_lines = decode_lines([7, 8], "length")
     config = ServerConfig(role="conductor", block_tokens=4, cluster_secret=SECRET,
                           ttft_slo_s=5.0, tbt_slo_s=0.2)
@@ -201,6 +202,8 @@ async def test_with_a_ttft_slo_the_job_says_when_it_must_start(registry: Instanc
     job = peers.prefill_jobs[0]
     assert job.burst_at is not None and job.burst_rank == 0
     assert job.start_within_s is not None and 4.0 < job.start_within_s < 5.0
+    # ... and when its first token is due: a first pass running late answers it early.
+    assert job.answer_within_s is not None and job.start_within_s < job.answer_within_s <= 5.0
 
 
 async def test_decode_error_event(backend: RequestPath, peers: Peers) -> None:

@@ -96,6 +96,10 @@ class PrefillJob(BaseModel):
     # Start it within this many seconds of its arrival or turn it away (429): later, it would
     # miss its TTFT SLO. None: no deadline.
     start_within_s: float | None = None
+    # Its first token is due within this many seconds of its arrival (its TTFT SLO): a burst's
+    # first pass that runs late answers the jobs it has computed instead of holding them for
+    # its end. None: no deadline.
+    answer_within_s: float | None = None
 
 
 class PrefillFirst(BaseModel):

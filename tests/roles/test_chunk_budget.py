@@ -7,7 +7,7 @@ import pytest
 from mooncake_server.cost_model.passes import MIN_CHUNK, SEED_PASS_TOKENS, seed_pass_tokens
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
-from mooncake_server.roles.prefill.worker import HANDOFF_GRACE_S, decode_beside
+from mooncake_server.roles.prefill.handoff_hold import HANDOFF_GRACE_S, decode_beside
 from mooncake_server.wire.instances import PassSplit
 
 # A pass: 10 ms + 1 ms per prompt token.
@@ -165,3 +165,15 @@ def test_a_prefill_instance_times_a_pass_long_enough_for_a_bursts_first_pass() -
     assert seed_pass_tokens(2048, 2048, 100_000, long=True) == 1024  # half the context
     assert seed_pass_tokens(2048, 8192, 1_000, long=True) == 500  # half the KV pool
     assert seed_pass_tokens(256, 8192, 100_000, long=True) == 256  # at most a chunk
+
+
+def test_the_rest_of_a_pass_is_timed_at_the_speed_the_last_full_pass_ran() -> None:
+    """A long first pass runs as forwards back to back: its rest runs at the speed the host
+    has now, which the last forward measured, not at a minute's mean."""
+    chunks = ChunkBudget(256, MODEL, tbt_slo_s=0.2, clock=Clock())
+    assert chunks.rest_s([(100, 0)]) is None  # no full pass timed yet
+    chunks.observe([(200, 0)], 2 * MODEL.prefill_s(200))
+    chunks.observe([(200, 0)], 1.5 * MODEL.prefill_s(200))
+    chunks.observe([(64, 0)], 9 * MODEL.prefill_s(64), beside_decode=True)  # a cut pass
+    assert chunks.rest_s([(100, 0), (40, 0)]) == pytest.approx(1.5 * (0.01 + 0.14))
+    assert ChunkBudget(256).rest_s([(100, 0)]) is None  # no cost model (no --tbt-slo)

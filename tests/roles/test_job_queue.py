@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mooncake_server.roles.prefill.job_queue import ORDER_WAIT_S, JobQueue
+import pytest
+
+from mooncake_server.roles.prefill.job_queue import ORDER_WAIT_S, JobQueue, first_pass_late
 from mooncake_server.wire.jobs import PrefillJob, SamplingParams
 
 
@@ -126,3 +128,10 @@ def test_a_first_pass_is_taken_whole_past_the_chunk() -> None:
     for rank, n in enumerate((300, 900)):
         q.push(task(f"s{rank}", n, burst_at=2000.0, rank=rank))
     assert ids(q.take(budget_tokens=1024)[0]) == ["s0"]
+
+
+def test_a_first_pass_is_late_by_how_far_its_rest_ends_past_the_earliest_deadline() -> None:
+    assert first_pass_late([105.0, 103.0, None], rest_s=4.0, now=100.0) == pytest.approx(1.0)
+    assert first_pass_late([105.0], rest_s=4.0, now=100.0) == 0.0  # in time
+    assert first_pass_late([None], rest_s=40.0, now=100.0) == 0.0  # no deadline
+    assert first_pass_late([101.0], rest_s=None, now=100.0) == 0.0  # no speed to tell

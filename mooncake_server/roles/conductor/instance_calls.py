@@ -71,14 +71,17 @@ class InstanceCalls:
         # A re-sent job (its first instance failed) is not held to the admission's deadline,
         # nor to its burst's ranks on the first instance.
         order = None if flow.moves else plan.order
+        now = time.monotonic()
         within = (None if plan.start_by is None or flow.moves
-                  else max(0.0, plan.start_by - time.monotonic()))
+                  else max(0.0, plan.start_by - now))
+        due = None if plan.answer_by is None or flow.moves else max(0.0, plan.answer_by - now)
         job = PrefillJob(request_id=flow.request_id,
                          prompt_token_ids=flow.request.prompt_token_ids, block_keys=flow.keys,
                          sampling=flow.request.sampling, reuse=plan.reuse,
                          burst_at=order.burst_at if order else None,
                          burst_rank=order.rank if order else 0,
-                         burst_pass=order.pass_ranks if order else 0, start_within_s=within)
+                         burst_pass=order.pass_ranks if order else 0, start_within_s=within,
+                         answer_within_s=due)
         where = f"prefill instance {prefill.instance_id}"
         try:
             async with open_stream(self._http, prefill.url, PREFILL, job, headers=self._headers,

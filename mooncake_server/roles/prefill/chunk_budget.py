@@ -72,6 +72,9 @@ class ChunkBudget:
         # speed is read from while no pass is recent, and a prior that never ages beside them.
         self._seed: tuple[float, float] | None = None
         self._seed_tokens = 0
+        # Measured / modelled of the last full pass: the machine's speed right now, which the
+        # rest of a long pass runs at (`rest_s`).
+        self._last_full: float | None = None
         # A prompt's TTFT sums the waits of all its passes, so their mean matters, not one
         # pass's worst. They follow the decode's load: the short horizon.
         self._waits = TailSeconds(horizon_s=horizon_s, clock=clock)
@@ -102,6 +105,7 @@ class ChunkBudget:
             else:
                 self._calibration.add(compute_s, modelled)
                 self._full_sizes.append((self._clock(), tokens))
+                self._last_full = compute_s / modelled
 
     def seed(self, tokens: int, seconds: float) -> None:
         """A full pass of `tokens` prompt tokens took `seconds` at start-up.
@@ -115,6 +119,13 @@ class ChunkBudget:
         if self.model is not None and tokens > 0 and seconds > 0:
             self._seed = (seconds, self.model.prefill_s(tokens))
             self._seed_tokens = tokens
+
+    def rest_s(self, items: Sequence[tuple[int, int]]) -> float | None:
+        """Seconds a full pass over `(new, cached)` prompt tokens takes at the speed the last
+        full pass ran (None: no cost model, or no full pass timed yet)."""
+        if self.model is None or self._last_full is None:
+            return None
+        return self.model.pass_s(items) * self._last_full
 
     def measured_tokens(self) -> int:
         """The largest full pass behind the speed reported: timed within the speed horizon, or

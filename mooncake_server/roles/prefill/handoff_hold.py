@@ -34,6 +34,25 @@ class HandoffBoard(Protocol):
         """Handed-in sequences the other engine processes have started."""
         ...
 
+    def others_active(self) -> int:
+        """Engine processes other than this one that have work now."""
+        ...
+
+
+# A job answered here is handed to a decode, which takes about this long to start stepping
+# (decode job, KV load). A pass begun meanwhile at full size would hold the cores for seconds
+# while that decode waits for its first step: the replay's longest hand-off gaps (1 s for a
+# 707-token prompt's two tokens, on the 2-core AMD machine).
+HANDOFF_GRACE_S = 1.0
+
+
+def decode_beside(cores: HandoffBoard, answered_at: float, now: float) -> bool:
+    """A decode on these cores has work, or is about to: it takes the job answered at
+    `answered_at` (monotonic seconds)."""
+    if cores.others_active():
+        return True
+    return now - answered_at < HANDOFF_GRACE_S and bool(cores.others_present())
+
 
 class HandoffHold:
     """Holds the pass after a hand-off until the decode beside started the handed sequences."""

@@ -16,7 +16,8 @@ other's whole job (forward, checksums, store writes, cache report) in turn. A pr
 a chunk runs alone, chunk by chunk; passes are sized anew each time, so they shrink to
 --decode-chunk while a decode on the same cores has work. A burst's first pass is taken whole
 (the conductor sized it by the TTFT SLO), run as chunks back to back and answered when the last
-ends (job_queue.py). Each layer's new K/V go to the store as soon as the layer is computed
+ends, or sooner if holding its computed jobs would make them miss their first token's deadline
+(job_queue.py). Each layer's new K/V go to the store as soon as the layer is computed
 (--kv-write layer; `after` writes whole blocks once the forward is done; `auto` picks).
 
 A job with `sampling.n` > 1 is prefilled once; each choice's first token is sampled from the
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.engine.core_budget import CoreBudget, FixedThreads, machine_cores
+from mooncake_server.engine.core_budget import machine_cores
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.logprobs import score_prompt_chunks, token_logprob
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
@@ -47,8 +48,13 @@ from mooncake_server.engine.sampler import sample_token
 from mooncake_server.engine.sequence import Sequence
 from mooncake_server.roles.prefill.cache_report import CacheReporter
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
-from mooncake_server.roles.prefill.handoff_hold import HandoffHold
-from mooncake_server.roles.prefill.job_queue import JobQueue, LateForSLO, same_first_pass
+from mooncake_server.roles.prefill.handoff_hold import HandoffHold, decode_beside
+from mooncake_server.roles.prefill.job_queue import (
+    JobQueue,
+    LateForSLO,
+    first_pass_late,
+    same_first_pass,
+)
 from mooncake_server.roles.prefill.kv_stream import LayerStream
 from mooncake_server.roles.prefill.metrics import PrefillMetrics
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
@@ -58,21 +64,6 @@ from mooncake_server.wire.instances import PassSplit
 from mooncake_server.wire.jobs import FirstToken, PrefillFirst, PrefillJob, PrefillResult
 
 log = logging.getLogger(__name__)
-
-
-# A job answered here is handed to a decode, which takes about this long to start stepping
-# (decode job, KV load). A pass begun meanwhile at full size would hold the cores for seconds
-# while that decode waits for its first step: the replay's longest hand-off gaps (1 s for a
-# 707-token prompt's two tokens, on the 2-core AMD machine).
-HANDOFF_GRACE_S = 1.0
-
-
-def decode_beside(cores: CoreBudget | FixedThreads, answered_at: float, now: float) -> bool:
-    """A decode on these cores has work, or is about to: it takes the job answered at
-    `answered_at` (monotonic seconds)."""
-    if cores.others_active():
-        return True
-    return now - answered_at < HANDOFF_GRACE_S and bool(cores.others_present())
 
 
 @dataclass
@@ -100,6 +91,12 @@ class _Task:
     def gone(self) -> bool:
         """Its caller went away while it waited."""
         return self.done.done()
+
+    @property
+    def answer_by(self) -> float | None:
+        """The perf_counter() time its first token is due (None: no deadline)."""
+        within = self.job.answer_within_s
+        return None if within is None else self.queued_at + within
 
 
 class PrefillWorker:
@@ -208,9 +205,24 @@ class PrefillWorker:
                 return
             pending = [t for t in pending if t.seq is not None and t.seq.num_pending > 0]
             held += done
-            if not (one_pass and pending):
+            if not (one_pass and pending) or self._held_would_miss(held, pending):
                 await self._answer(held)
                 held = []
+
+    def _held_would_miss(self, held: list[tuple[_Task, list[FirstToken]]],
+                         pending: list[_Task]) -> bool:
+        """Whether a first pass's jobs computed so far would miss their first token's deadline
+        if held for the rest of the pass (job_queue.first_pass_late)."""
+        if not held or not pending:
+            return False
+        rest = self.chunks.rest_s([(t.seq.num_pending, t.seq.num_computed)
+                                   for t in pending if t.seq is not None])
+        late = first_pass_late([t.answer_by for t, _ in held], rest, time.perf_counter())
+        if late > 0:
+            log.info("answering %d jobs of a first pass before its end: the rest would take an "
+                     "estimated %.2f s, %.2f s past their first token's deadline", len(held),
+                     rest, late)
+        return late > 0
 
     async def _step(self, pending: list[_Task]) -> list[tuple[_Task, list[FirstToken]]]:
         """One forward pass over the oldest pending tokens, within one chunk; who completed.

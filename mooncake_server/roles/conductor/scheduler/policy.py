@@ -108,6 +108,9 @@ class Plan(NamedTuple):
     # time, whatever clock the ledger runs on: the request path compares it with the wall).
     start_by: float | None = None
     request_id: str = ""
+    # ... and by which its first token is due (the prefill answers a first pass's done jobs
+    # early rather than let them miss it).
+    answer_by: float | None = None
 
     @property
     def first_pass(self) -> bool:
@@ -187,9 +190,10 @@ class KVCacheScheduler:
                                 own_split=est.split, max_tokens=request.sampling.max_tokens,
                                 choices=request.sampling.n)
             self.outcomes.placed(request.request_id, est.ttft_s, plan.tbt_s)
-            start_by = (None if self.ttft_slo_s is None else
-                        time.monotonic() + self.ttft_slo_s - est.compute_s - est.transfer_s)
-            plan = plan._replace(order=order, start_by=start_by)
+            now = time.monotonic()
+            due = None if self.ttft_slo_s is None else now + self.ttft_slo_s
+            start_by = None if due is None else due - est.compute_s - est.transfer_s
+            plan = plan._replace(order=order, start_by=start_by, answer_by=due)
             self._burst.record(request.request_id, est.instance_id, plan.decode.instance_id,
                                len(request.prompt_token_ids), plan.first_pass, est.chunk_tokens)
         return plan
