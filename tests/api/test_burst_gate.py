@@ -30,6 +30,20 @@ async def test_a_burst_that_trickles_in_is_decided_as_one_cheapest_first() -> No
     assert [ranks[f"r{i}"] for i in range(10)] == list(reversed(range(10)))
 
 
+async def test_by_default_arrivals_tens_of_ms_apart_are_one_burst() -> None:
+    """Beside a busy decode a burst's requests reached the gate up to ~40 ms apart; with the
+    default window they are still one decision (split, the later ones queued behind the first
+    decision's long prompt and were refused)."""
+    gate: BurstGate[int, int] = BurstGate(lambda item, order: order.rank)
+
+    async def arrive(i: int) -> int:
+        await asyncio.sleep(0.035 * i)  # 0, 35 and 70 ms
+        return await gate.admit(i, float(i))
+
+    assert await asyncio.gather(*(arrive(i) for i in range(3))) == [0, 1, 2]
+    assert gate.bursts == 1
+
+
 async def test_a_steady_stream_is_still_decided_within_the_cap() -> None:
     """Requests every 5 ms never leave a quiet window; the gate decides anyway once the cap is
     spent, so the first request is answered while the stream still runs."""
