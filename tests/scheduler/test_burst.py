@@ -355,3 +355,27 @@ async def test_small_prompts_after_the_first_pass_share_the_pass_they_are_batche
     ttfts = [got[r].prefill_estimate.ttft_s for r in "abcde"]  # type: ignore[union-attr]
     # a: 10 + 1 ms after a 50 ms wait; b, c, d join its pass (56 tokens); e opens the next.
     assert ttfts == pytest.approx([0.061, 0.063, 0.066, 0.116, 0.116 + 0.11 + 0.05])
+
+
+async def test_the_wait_for_a_burst_to_gather_counts_in_its_ttft() -> None:
+    """The client's clock starts when the request comes, not when its burst is decided: the
+    gathering is part of each estimate, of the SLO check and of the deadlines."""
+    clock = Clock()
+    s = KVCacheScheduler(cluster(1, 1, clock=clock), MODEL, block_tokens=BT, oracle=Hits({}),
+                         ttft_slo_s=1.0, tracker=LoadTracker(clock), rng=random.Random(0),
+                         burst_window_s=0.01)
+    # 100 tokens: 0.11 s alone; 870 tokens: 0.88 s alone, within the SLO by 0.12 s.
+    tasks = {rid: asyncio.ensure_future(s.plan(request(rid, n), keys(rid, n)))
+             for rid, n in (("short", 100), ("long", 870))}
+    await asyncio.sleep(0)  # both came, and wait for their burst
+    clock.now += 0.04  # the ledger's clock: the burst gathered for 40 ms
+    got = dict(zip(tasks, await asyncio.gather(*tasks.values(), return_exceptions=True)))
+    short = got["short"]
+    assert isinstance(short, Plan)
+    assert short.prefill_estimate.ttft_s == pytest.approx(0.04 + 0.11)
+    assert short.prefill_estimate.waited_s == pytest.approx(0.04)
+    # Its first token is due 1 s after it came, and it must start 0.11 s before that.
+    assert short.answer_by is not None and short.start_by is not None
+    assert short.answer_by - short.start_by == pytest.approx(0.11)
+    # Queued behind the short one it ends at 0.04 + 0.11 + 0.88 s: past the SLO.
+    assert isinstance(got["long"], SLORejected) and "1.03 s" in str(got["long"])

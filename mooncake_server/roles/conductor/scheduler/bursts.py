@@ -63,6 +63,7 @@ def first_pass_share(overrun: float | None) -> float:
 
 
 if TYPE_CHECKING:
+    from mooncake_server.roles.conductor.scheduler.estimators import PrefillEstimate
     from mooncake_server.roles.conductor.scheduler.policy import Plan
 
 
@@ -138,7 +139,8 @@ def settle(plans: list[Plan | None]) -> list[Plan | None]:
     for members in by_instance.values():
         firsts = [i for i in members if _plan(out, i).first_pass]
         pass_ranks = len(firsts) if len(firsts) > 1 else 0
-        end = max((_plan(out, i).prefill_estimate.ttft_s for i in firsts), default=0.0)
+        # When the pass ends, counted from placement (each member's own wait comes on top).
+        end = max((_since_placed(_plan(out, i).prefill_estimate) for i in firsts), default=0.0)
         start = min((_plan(out, i).prefill_estimate.queue_s for i in firsts), default=0.0)
         for rank, i in enumerate(members):
             plan = _plan(out, i)
@@ -146,16 +148,22 @@ def settle(plans: list[Plan | None]) -> list[Plan | None]:
             order = Order(plan.order.burst_at, rank,
                           pass_ranks if rank < pass_ranks else 0)
             if plan.first_pass and pass_ranks:
-                est = plan.prefill_estimate._replace(ttft_s=end)
+                waited = plan.prefill_estimate.waited_s
+                est = plan.prefill_estimate._replace(ttft_s=end + waited)
                 start_by = plan.start_by
                 if start_by is not None:
                     # The pass starts once, for all of them: early enough for the whole pass.
-                    own = plan.prefill_estimate.ttft_s - plan.prefill_estimate.queue_s
+                    own = _since_placed(plan.prefill_estimate) - plan.prefill_estimate.queue_s
                     start_by += own - (end - start)
                 out[i] = plan._replace(order=order, prefill_estimate=est, start_by=start_by)
             else:
                 out[i] = plan._replace(order=order)
     return out
+
+
+def _since_placed(est: PrefillEstimate) -> float:
+    """Its TTFT estimate less the wait before it was placed."""
+    return est.ttft_s - est.waited_s
 
 
 def _plan(plans: list[Plan | None], i: int) -> Plan:

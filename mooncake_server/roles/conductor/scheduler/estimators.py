@@ -39,6 +39,8 @@ class PrefillEstimate(NamedTuple):
     # and the wait for the cores charged before each of them.
     chunk_tokens: int = 0
     pass_wait_s: float = 0.0
+    # Of ttft_s, the time it had already waited when placed (its burst gathering).
+    waited_s: float = 0.0
 
 
 def reusable_blocks(prompt_tokens: int, block_tokens: int) -> int:

@@ -150,9 +150,9 @@ class KVCacheScheduler:
         self.rejected = 0
         self.outcomes = RequestOutcomes(ttft_slo_s, tbt_slo_s)
         self._rng = rng or random.Random()
-        self.gate: BurstGate[tuple[GenerateRequest, dict[str, int]], Plan | None] = BurstGate(
-            lambda item, order: self._place(*item, order=order), window_s=burst_window_s,
-            settle=self._settle)
+        self.gate: BurstGate[tuple[GenerateRequest, dict[str, int], float], Plan | None] = \
+            BurstGate(lambda item, order: self._place(*item, order=order),
+                      window_s=burst_window_s, settle=self._settle)
         self._burst = BurstState()  # the burst being decided: what was placed where
 
     # ---- Algorithm 1 --------------------------------------------------------------------------
@@ -163,10 +163,12 @@ class KVCacheScheduler:
         With SLOs it is decided in its burst (cheapest first). Raises SLORejected when the SLOs
         cannot be met.
         """
+        arrived = self.tracker.now()
         hits = await self.oracle.longest_prefix(keys) if keys else {}
         if self.ttft_slo_s is None and self.tbt_slo_s is None:
             return self._place(request, hits)
-        return await self.gate.admit((request, hits), self._uncached_tokens(request, hits))
+        return await self.gate.admit((request, hits, arrived),
+                                     self._uncached_tokens(request, hits))
 
     def _uncached_tokens(self, request: GenerateRequest, hits: dict[str, int]) -> int:
         """The prompt tokens its best-placed prefill would compute: its cost in a burst."""
@@ -175,12 +177,13 @@ class KVCacheScheduler:
         return n - min(max(hits.values(), default=0), cap) * self.block_tokens
 
     def _place(self, request: GenerateRequest, hits: dict[str, int],
-               order: Order | None = None) -> Plan | None:
-        """Decide, then record the placement in the ledger."""
+               arrived: float | None = None, order: Order | None = None) -> Plan | None:
+        """Decide (`arrived`: when `plan` got it, the ledger's clock), then record it there."""
         burst_at = order.burst_at if order is not None else None
         if burst_at is None or self._burst.at != burst_at:
             self._burst = BurstState(burst_at)
-        plan = self.decide(request, hits)
+        waited = 0.0 if arrived is None else max(0.0, self.tracker.now() - arrived)
+        plan = self.decide(request, hits, waited_s=waited)
         if plan is not None:
             est = plan.prefill_estimate
             # The ledger stores the uncalibrated estimate; it applies the calibration itself.
@@ -190,8 +193,8 @@ class KVCacheScheduler:
                                 own_split=est.split, max_tokens=request.sampling.max_tokens,
                                 choices=request.sampling.n)
             self.outcomes.placed(request.request_id, est.ttft_s, plan.tbt_s)
-            now = time.monotonic()
-            due = None if self.ttft_slo_s is None else now + self.ttft_slo_s
+            due = (None if self.ttft_slo_s is None
+                   else time.monotonic() - waited + self.ttft_slo_s)
             start_by = None if due is None else due - est.compute_s - est.transfer_s
             plan = plan._replace(order=order, start_by=start_by, answer_by=due)
             self._burst.record(request.request_id, est.instance_id, plan.decode.instance_id,
@@ -208,15 +211,17 @@ class KVCacheScheduler:
                                      after.tbt_s)
         return settled
 
-    def decide(self, request: GenerateRequest, hits: dict[str, int]) -> Plan | None:
-        """The placement for `request` given prefix hits (blocks); raises SLORejected."""
+    def decide(self, request: GenerateRequest, hits: dict[str, int], *,
+               waited_s: float = 0.0) -> Plan | None:
+        """The placement for `request` given prefix hits (blocks), `waited_s` after it came (a
+        burst's gathering, part of its TTFT); raises SLORejected."""
         prefills = self.registry.alive("prefill")
         decodes = self.registry.alive("decode")
         if not prefills or not decodes:
             return None
         n = len(request.prompt_token_ids)
         steps = self._steps().now(decodes, self._burst, self.tbt_slo_s)
-        estimates = [self._estimate(info, n, hits, steps) for info in prefills]
+        estimates = [self._estimate(info, n, hits, steps, waited_s) for info in prefills]
         choices = [self._decode_choice(info, request) for info in decodes]
         if self.policy is Policy.RANDOM:
             best_p = self._rng.choice(estimates)
@@ -310,7 +315,7 @@ class KVCacheScheduler:
         return self.tracker.prefill_queue_len(instance_id, beat) > self._burst.count(instance_id)
 
     def _estimate(self, info: InstanceInfo, prompt_tokens: int, hits: dict[str, int],
-                  steps: Steps) -> PrefillEstimate:
+                  steps: Steps, waited_s: float = 0.0) -> PrefillEstimate:
         bt = self.block_tokens
         cap = reusable_blocks(prompt_tokens, bt)
         local = min(hits.get(info.instance_id, 0), cap) * bt
@@ -334,14 +339,15 @@ class KVCacheScheduler:
                 break
             overrun = self.outcomes.overrun()
             share = first_pass_share(overrun)
-            if est.ttft_s <= share * self.ttft_slo_s:
+            if est.ttft_s + waited_s <= share * self.ttft_slo_s:
                 break
             log.info("the first pass on %s takes no %d-token prompt: it would end at an "
                      "estimated %.2f s, past %.2f of the TTFT SLO (long estimates ran over by "
-                     "up to %s lately)", iid, prompt_tokens, est.ttft_s, share,
+                     "up to %s lately)", iid, prompt_tokens, est.ttft_s + waited_s, share,
                      "-" if overrun is None else f"{overrun:.2f}x")
             self._burst.full.add(iid)  # this and every costlier prompt: after the pass
-        return est._replace(first_pass=first, chunk_tokens=chunk,
+        return est._replace(ttft_s=est.ttft_s + waited_s, waited_s=waited_s, first_pass=first,
+                            chunk_tokens=chunk,
                             pass_wait_s=passes.wait_s if passes is not None else 0.0)
 
     def _decode_choice(self, info: InstanceInfo, request: GenerateRequest) -> _DecodeChoice:
