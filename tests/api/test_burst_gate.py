@@ -31,13 +31,13 @@ async def test_a_burst_that_trickles_in_is_decided_as_one_cheapest_first() -> No
 
 
 async def test_by_default_arrivals_tens_of_ms_apart_are_one_burst() -> None:
-    """Beside a busy decode a burst's requests reached the gate up to ~40 ms apart; with the
+    """Beside a busy decode a burst's requests reached the gate tens of ms apart; with the
     default window they are still one decision (split, the later ones queued behind the first
     decision's long prompt and were refused)."""
     gate: BurstGate[int, int] = BurstGate(lambda item, order: order.rank)
 
     async def arrive(i: int) -> int:
-        await asyncio.sleep(0.035 * i)  # 0, 35 and 70 ms
+        await asyncio.sleep(0.03 * i)  # 0, 30 and 60 ms: each within a window of the last
         return await gate.admit(i, float(i))
 
     assert await asyncio.gather(*(arrive(i) for i in range(3))) == [0, 1, 2]

@@ -116,10 +116,10 @@ class LoadTracker:
         # has left is read off its context, which grows by one with each token
         self._ends: dict[str, tuple[int, int]] = {}
 
-
     def now(self) -> float:
         """The ledger's clock (monotonic seconds; scripted in tests)."""
         return self._clock()
+
     def _get(self, instance_id: str) -> _Instance:
         inst = self._instances.get(instance_id)
         if inst is None:
