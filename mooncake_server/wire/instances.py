@@ -36,7 +36,8 @@ class PassSplit(BaseModel):
     (`shared`) has work, passes of `cut_tokens` taking the modelled time x `cut_ratio`, each
     after waiting about `wait_s` for the decode's step. `measured_tokens`: the largest full
     pass behind `ratio` (its speed horizon, or the start-up pass); a ratio of short passes says
-    little of long ones."""
+    little of long ones. `cut_timed`: `cut_ratio` comes from cut passes timed here lately, not
+    from full ones (a prior: passes beside a decode run at their own speed)."""
 
     chunk_tokens: int = Field(ge=1)
     cut_tokens: int = Field(ge=1)
@@ -45,6 +46,7 @@ class PassSplit(BaseModel):
     wait_s: float = Field(ge=0)
     shared: bool = False
     measured_tokens: int = Field(default=0, ge=0)
+    cut_timed: bool = True
 
 
 class Heartbeat(BaseModel):

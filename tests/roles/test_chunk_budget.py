@@ -61,6 +61,7 @@ def test_a_full_pass_timed_at_start_up_speaks_for_the_machine_until_long_passes_
     chunks.seed(500, 1.5 * MODEL.prefill_s(500))
     split = chunks.split(shared=False, idle_chunk=2048)
     assert split is not None and split.ratio == pytest.approx(1.5) == split.cut_ratio
+    assert not split.cut_timed  # no pass beside a decode yet: the cut speed is a prior
     # The conductor lets a burst's first pass run past one chunk only on speeds read from
     # passes that long: the start-up pass is one, and it never ages.
     assert split.measured_tokens == 500
@@ -95,14 +96,15 @@ def test_it_reports_the_passes_a_prompt_would_get_now() -> None:
     assert split is not None and split.shared
     assert split.chunk_tokens == 2048 and split.cut_tokens == chunks.tokens() < 75
     assert split.ratio == pytest.approx(1.0)  # the full pass ran as modelled
-    assert split.cut_ratio == pytest.approx(2.0)
+    assert split.cut_ratio == pytest.approx(2.0) and split.cut_timed
     assert split.wait_s == pytest.approx(0.04)  # their mean; the full pass left out
     # The full passes behind `ratio` were this long (cut ones do not count): the conductor
     # predicts a burst's pass past one chunk only from passes of a useful length.
     assert split.measured_tokens == 1024
     clock.now += 61.0  # nothing recent: the model's own times, and no wait known
     assert chunks.split(shared=False, idle_chunk=2048) == PassSplit(
-        chunk_tokens=2048, cut_tokens=140, ratio=1.0, cut_ratio=1.0, wait_s=0.0, shared=False)
+        chunk_tokens=2048, cut_tokens=140, ratio=1.0, cut_ratio=1.0, wait_s=0.0, shared=False,
+        cut_timed=False)
     assert chunks.split(False, 2048, decode_step_s=0.05).cut_tokens == 90  # the decode's step
     assert ChunkBudget(256).split(True, 2048) is None  # no --tbt-slo: nothing to report
 

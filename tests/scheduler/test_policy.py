@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -303,3 +304,32 @@ async def test_a_cut_pass_waits_for_the_decode_step_as_that_decode_measures_it()
     plan = await s.plan(request("mean", 800), keys(800))
     assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(8 * 0.16)
     assert plan.tbt_s > 2 * 0.07  # the request's own gaps: judged by the tail
+
+
+async def test_a_prompt_in_untimed_cut_passes_is_held_to_its_own_passes() -> None:
+    """Before a prefill has timed passes beside a decode, its cut passes' speed is a prior, and
+    so is the queue ahead made of them: a prompt whose own passes fit the SLO is let in with a
+    start deadline (its prefill refuses it with 429 if it cannot start by then) instead of
+    being refused on the queue; once the speed is timed, the queue counts again."""
+    s = scheduler("cache-global", ttft_slo=1.0, prefill=1, decode=1)
+
+    def passes(timed: bool) -> None:
+        s.registry.heartbeat(Heartbeat(instance_id="p1", passes=PassSplit(
+            chunk_tokens=2048, cut_tokens=100, ratio=1.0, cut_ratio=1.0, wait_s=0.05,
+            shared=True, cut_timed=timed)))
+
+    passes(timed=False)
+    assert await s.plan(request("alone", 800), keys(800)) is not None  # one full pass
+    s.first_token("alone")  # it decodes now, beside the next prompts
+    plan = await s.plan(request("first", 400), keys(400))  # 4 x (10 + 100 + 50 ms)
+    assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(0.64)
+    plan = await s.plan(request("behind", 400), keys(400))
+    assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(1.28)
+    assert plan.start_by is not None  # its own 0.64 s must start within 0.36 s
+    assert plan.start_by - time.monotonic() == pytest.approx(0.36, abs=0.05)
+    with pytest.raises(SLORejected, match="TTFT"):  # its own passes alone: 1.28 s
+        await s.plan(request("long", 800), keys(800))
+    s.release("behind")
+    passes(timed=True)
+    with pytest.raises(SLORejected, match="TTFT"):  # the queue ahead counts: 1.28 s
+        await s.plan(request("behind", 400), keys(400))

@@ -156,7 +156,8 @@ class ChunkBudget:
                          ratio=self._ratio(cut=False, mean=True),
                          cut_ratio=self._ratio(cut=True, mean=True),
                          wait_s=self._waits.mean, shared=shared,
-                         measured_tokens=self.measured_tokens())
+                         measured_tokens=self.measured_tokens(),
+                         cut_timed=bool(self._cut.recent))
 
     def tokens(self, decode_step_s: float = 0.0) -> int:
         """Prompt tokens the next pass may carry while a decode whose steps take

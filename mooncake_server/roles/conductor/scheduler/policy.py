@@ -58,6 +58,7 @@ from mooncake_server.roles.conductor.scheduler.estimators import (
     PrefillEstimate,
     estimate_prefill,
     estimate_tbt,
+    judged_ttft_s,
     reusable_blocks,
 )
 from mooncake_server.roles.conductor.scheduler.load import HANDOFF_STEPS, LoadTracker
@@ -234,10 +235,13 @@ class KVCacheScheduler:
         self._check_slos(request, best_p, best_d)
         # One line per placement: with the client's TTFT / TBT it tells a misjudged admission
         # (estimate under the SLO, measurement over it) from an overloaded one.
+        provisional = (self.ttft_slo_s is not None and best_p.ttft_s > self.ttft_slo_s)
         log.info("placing %s (%d prompt tokens, %d reused) on %s / %s: estimated TTFT %.2f s "
-                 "(queue %.2f s, %s), TBT %.0f ms", request.request_id, n, best_p.reused_tokens,
+                 "(queue %.2f s, %s), TBT %.0f ms%s", request.request_id, n, best_p.reused_tokens,
                  best_p.instance_id, best_d.info.instance_id, best_p.ttft_s, best_p.queue_s,
-                 describe_passes(best_p, steps), best_d.tbt_s * 1000)
+                 describe_passes(best_p, steps), best_d.tbt_s * 1000,
+                 "; its cut passes' speed is not timed yet: it starts only by its deadline"
+                 if provisional else "")
         prefill = next(i for i in prefills if i.instance_id == best_p.instance_id)
         reuse = ("global" if self.policy is Policy.CACHE_GLOBAL and best_p.fetched_tokens
                  else "local")
@@ -291,7 +295,8 @@ class KVCacheScheduler:
         if self.tbt_slo_s is not None:
             chunk = chunk_fitting(self.model, split.cut_ratio,
                                   pass_budget_s(self.tbt_slo_s, step), split.cut_tokens)
-        return Passes(chunk, split.cut_ratio, max(split.wait_s, step)), False
+        return Passes(chunk, split.cut_ratio, max(split.wait_s, step),
+                      prior=not split.cut_timed), False
 
     def _first_pass_cap(self, split: PassSplit) -> int:
         """Prompt tokens a burst's first pass may hold: more than a chunk only with a TTFT SLO,
@@ -348,7 +353,8 @@ class KVCacheScheduler:
             self._burst.full.add(iid)  # this and every costlier prompt: after the pass
         return est._replace(ttft_s=est.ttft_s + waited_s, waited_s=waited_s, first_pass=first,
                             chunk_tokens=chunk,
-                            pass_wait_s=passes.wait_s if passes is not None else 0.0)
+                            pass_wait_s=passes.wait_s if passes is not None else 0.0,
+                            cut_prior=passes is not None and passes.prior)
 
     def _decode_choice(self, info: InstanceInfo, request: GenerateRequest) -> _DecodeChoice:
         beat = self.registry.load(info.instance_id)
@@ -382,7 +388,8 @@ class KVCacheScheduler:
                     best_d: _DecodeChoice) -> None:
         problems = []
         retry = 1.0
-        if self.ttft_slo_s is not None and best_p.ttft_s > self.ttft_slo_s:
+        ttft = judged_ttft_s(best_p)
+        if self.ttft_slo_s is not None and ttft > self.ttft_slo_s:
             problems.append(f"estimated TTFT {best_p.ttft_s:.2f} s exceeds the "
                             f"{self.ttft_slo_s:g} s SLO (--ttft-slo)")
             # The queue must drain by the excess before a request like this one fits.
@@ -395,7 +402,7 @@ class KVCacheScheduler:
         if (self.ttft_slo_s is not None and self.tbt_slo_s is not None
                 and request.sampling.max_tokens > 1 and not problems):
             # The second token comes after the hand-off: its budget is one TTFT and one TBT.
-            second = best_p.ttft_s + best_d.handoff_s
+            second = ttft + best_d.handoff_s
             if second > self.ttft_slo_s + self.tbt_slo_s:
                 problems.append(f"estimated time to the second token {second:.2f} s exceeds "
                                 f"the TTFT + TBT SLOs ({self.ttft_slo_s + self.tbt_slo_s:g} s)")
