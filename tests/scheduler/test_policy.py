@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections import Counter
@@ -14,6 +15,7 @@ from mooncake_server.roles.conductor.scheduler.load import LoadTracker
 from mooncake_server.roles.conductor.scheduler.oracle import STORE_WIDE
 from mooncake_server.roles.conductor.scheduler.policy import (
     KVCacheScheduler,
+    Plan,
     Policy,
     SLORejected,
 )
@@ -308,9 +310,10 @@ async def test_a_cut_pass_waits_for_the_decode_step_as_that_decode_measures_it()
 
 async def test_a_prompt_in_untimed_cut_passes_is_held_to_its_own_passes() -> None:
     """Before a prefill has timed passes beside a decode, its cut passes' speed is a prior, and
-    so is the queue ahead made of them: a prompt whose own passes fit the SLO is let in with a
-    start deadline (its prefill refuses it with 429 if it cannot start by then) instead of
-    being refused on the queue; once the speed is timed, the queue counts again."""
+    so is the queue of the burst's cut passes ahead: a prompt whose own passes fit the SLO is
+    let in with a start deadline (its prefill refuses it with 429 if it cannot start by then)
+    instead of being refused on that queue. Behind an earlier burst's jobs, or once the speed
+    is timed, the queue counts again."""
     s = scheduler("cache-global", ttft_slo=1.0, prefill=1, decode=1)
 
     def passes(timed: bool) -> None:
@@ -318,18 +321,23 @@ async def test_a_prompt_in_untimed_cut_passes_is_held_to_its_own_passes() -> Non
             chunk_tokens=2048, cut_tokens=100, ratio=1.0, cut_ratio=1.0, wait_s=0.05,
             shared=True, cut_timed=timed)))
 
+    async def burst(*tokens: int) -> list[Plan | BaseException]:
+        return await asyncio.gather(*(s.plan(request(f"r{n}", n), keys(n)) for n in tokens),
+                                    return_exceptions=True)
+
     passes(timed=False)
     assert await s.plan(request("alone", 800), keys(800)) is not None  # one full pass
     s.first_token("alone")  # it decodes now, beside the next prompts
-    plan = await s.plan(request("first", 400), keys(400))  # 4 x (10 + 100 + 50 ms)
-    assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(0.64)
-    plan = await s.plan(request("behind", 400), keys(400))
-    assert plan is not None and plan.prefill_estimate.ttft_s == pytest.approx(1.28)
-    assert plan.start_by is not None  # its own 0.64 s must start within 0.36 s
-    assert plan.start_by - time.monotonic() == pytest.approx(0.36, abs=0.05)
-    with pytest.raises(SLORejected, match="TTFT"):  # its own passes alone: 1.28 s
-        await s.plan(request("long", 800), keys(800))
-    s.release("behind")
+    first, behind, long = await burst(400, 416, 800)  # each 4-8 x (10 + 100 + 50 ms)
+    assert isinstance(first, Plan) and first.prefill_estimate.ttft_s == pytest.approx(0.64)
+    assert isinstance(behind, Plan) and behind.prefill_estimate.ttft_s > 1.0
+    assert behind.start_by is not None  # its own 0.72 s (5 passes) must start within 0.28 s
+    assert behind.start_by - time.monotonic() == pytest.approx(0.28, abs=0.03)
+    assert isinstance(long, SLORejected)  # its own passes alone: 1.28 s
+    with pytest.raises(SLORejected, match="TTFT"):  # behind the last burst's jobs
+        await s.plan(request("later", 400), keys(400))
+    s.release("r400")
+    s.release("r416")
     passes(timed=True)
-    with pytest.raises(SLORejected, match="TTFT"):  # the queue ahead counts: 1.28 s
-        await s.plan(request("behind", 400), keys(400))
+    first, behind = await burst(400, 416)
+    assert isinstance(first, Plan) and isinstance(behind, SLORejected)

@@ -116,7 +116,8 @@ def estimate_prefill(model: PerfModel, instance_id: str, prompt_tokens: int, *,
 
 def judged_ttft_s(est: PrefillEstimate) -> float:
     """The TTFT admission holds a prompt to: its estimate, or, in cut passes whose speed its
-    prefill has not timed yet, its own passes only (and its wait in the gate).
+    prefill has not timed yet behind only its burst's own cut passes, those own passes (and its
+    wait in the gate).
 
     The work queued ahead runs in such passes too, and the speed read from full passes made a
     fresh server's estimates 1.1-1.6x what its first cut passes took: the 534-token prompt of

@@ -295,8 +295,11 @@ class KVCacheScheduler:
         if self.tbt_slo_s is not None:
             chunk = chunk_fitting(self.model, split.cut_ratio,
                                   pass_budget_s(self.tbt_slo_s, step), split.cut_tokens)
-        return Passes(chunk, split.cut_ratio, max(split.wait_s, step),
-                      prior=not split.cut_timed), False
+        # Untimed, the cut speed is a prior for this prompt and for the burst's cut passes ahead
+        # of it; not for a first pass or earlier bursts' jobs ahead (estimators.judged_ttft_s).
+        prior = (not split.cut_timed and not self._queued_ahead(instance_id, beat)
+                 and not self._burst.first_pass.get(instance_id, 0))
+        return Passes(chunk, split.cut_ratio, max(split.wait_s, step), prior=prior), False
 
     def _first_pass_cap(self, split: PassSplit) -> int:
         """Prompt tokens a burst's first pass may hold: more than a chunk only with a TTFT SLO,
