@@ -14,6 +14,9 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from mooncake_server.roles.prefill.job_queue import LateForSLO, forward_shares
 from mooncake_server.roles.prefill.worker import PrefillWorker, _Task
 from mooncake_server.wire.jobs import PrefillJob, SamplingParams
 
@@ -28,19 +31,23 @@ class RecordedWorker(PrefillWorker):
         self.events: list[tuple[str, list[str]]] = []
         # The rest of a pass takes `rest_s` at the last forward's speed (None: not timed).
         self.chunks = SimpleNamespace(rest_s=lambda items: rest_s)
+        self.released: list[int] = []  # KV blocks given back by jobs that failed
+        self.cache = SimpleNamespace(release=self.released.extend)
 
     async def _prepare(self, task: Any) -> None:
-        task.seq = SimpleNamespace(num_pending=len(task.job.prompt_token_ids), num_computed=0)
+        task.seq = SimpleNamespace(num_pending=len(task.job.prompt_token_ids), num_computed=0,
+                                   block_ids=[len(task.job.prompt_token_ids)])
 
     async def _step(self, pending: list[Any]) -> list[tuple[Any, list[Any]]]:
-        left, done, computed = CHUNK, [], []
-        for task in pending:
-            if left <= 0:
-                break
-            n = min(task.seq.num_pending, left)
+        done, computed = [], []
+        shares = forward_shares([(t.seq.num_pending, t.job.pass_tail and not t.passes)
+                                 for t in pending], CHUNK)
+        for task, n in zip(pending, shares):
+            if not n:
+                continue
             task.seq.num_pending -= n
             task.seq.num_computed += n
-            left -= n
+            task.passes += 1
             computed.append(task.job.request_id)
             if task.seq.num_pending == 0:
                 done.append((task, []))
@@ -53,15 +60,15 @@ class RecordedWorker(PrefillWorker):
 
 
 def job(rid: str, tokens: int, rank: int, burst_pass: int,
-        due_s: float | None = None) -> PrefillJob:
+        due_s: float | None = None, tail: bool = False) -> PrefillJob:
     return PrefillJob(request_id=rid, prompt_token_ids=[1] * tokens, block_keys=[],
                       sampling=SamplingParams(max_tokens=8), burst_at=1000.0, burst_rank=rank,
-                      burst_pass=burst_pass, answer_within_s=due_s)
+                      burst_pass=burst_pass, answer_within_s=due_s, pass_tail=tail)
 
 
-async def run(jobs: list[PrefillJob],
-              rest_s: float | None = None) -> list[tuple[str, list[str]]]:
-    worker = RecordedWorker(rest_s)
+async def run(jobs: list[PrefillJob], rest_s: float | None = None,
+              worker: RecordedWorker | None = None) -> list[tuple[str, list[str]]]:
+    worker = worker or RecordedWorker(rest_s)
     loop = asyncio.get_running_loop()
     await worker._run_batch([_Task(j, loop.create_future()) for j in jobs])
     return worker.events
@@ -93,3 +100,24 @@ async def test_a_first_pass_running_late_answers_the_jobs_it_has_computed() -> N
     for rest in (1.0, None):
         assert await run(late, rest_s=rest) == [
             ("forward", ["a", "b", "c"]), ("forward", ["c"]), ("answer", ["a", "b", "c"])]
+
+
+async def test_a_first_pass_tail_runs_in_a_forward_of_its_own_and_only_if_in_time() -> None:
+    """c, the pass's tail, let in past its usual share of the SLO: a and b fill the first
+    forward without it (16 + 8 of 32 tokens), then c runs alone, and all three answer at the
+    end. If the pass ran slow (c would end past its deadline at the speed it ran), c is turned
+    away with 429 before any work, its KV blocks given back, and a and b answered at once."""
+    jobs = [job("a", 16, 0, 3, due_s=5.0), job("b", 8, 1, 3, due_s=5.0),
+            job("c", 20, 2, 3, due_s=5.0, tail=True)]
+    in_time = await run(jobs, rest_s=1.0)
+    assert in_time == [("forward", ["a", "b"]), ("forward", ["c"]),
+                       ("answer", ["a", "b", "c"])]
+    # 4.6 s would end in time, but not 10% slower than the pass ran: not started.
+    slow = RecordedWorker(rest_s=4.6)
+    loop = asyncio.get_running_loop()
+    tasks = [_Task(j, loop.create_future()) for j in jobs]
+    await slow._run_batch(tasks)
+    assert slow.events == [("forward", ["a", "b"]), ("answer", ["a", "b"])]
+    with pytest.raises(LateForSLO, match="not started"):
+        tasks[2].done.result()
+    assert slow.released == [20] and tasks[2].seq.block_ids == []

@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from mooncake_server.roles.prefill.job_queue import ORDER_WAIT_S, JobQueue, first_pass_late
+from mooncake_server.roles.prefill.job_queue import (
+    ORDER_WAIT_S,
+    JobQueue,
+    first_pass_late,
+    forward_shares,
+    tail_late,
+)
 from mooncake_server.wire.jobs import PrefillJob, SamplingParams
 
 
@@ -135,3 +141,20 @@ def test_a_first_pass_is_late_by_how_far_its_rest_ends_past_the_earliest_deadlin
     assert first_pass_late([105.0], rest_s=4.0, now=100.0) == 0.0  # in time
     assert first_pass_late([None], rest_s=40.0, now=100.0) == 0.0  # no deadline
     assert first_pass_late([101.0], rest_s=None, now=100.0) == 0.0  # no speed to tell
+
+
+def test_a_tail_is_started_only_in_a_forward_of_its_own() -> None:
+    # 30 + 20 tokens fill a 64-token forward to 50; the tail's 40 wait for the next forward.
+    assert forward_shares([(30, False), (20, False), (40, True)], 64) == [30, 20, 0]
+    # Alone (the others computed), the tail takes the forward; later ones wait behind it.
+    assert forward_shares([(40, True), (10, False)], 64) == [40, 10]
+    assert forward_shares([(100, True), (10, False)], 64) == [64, 0]
+    # Not a tail, or one already started: packed as before.
+    assert forward_shares([(30, False), (50, False)], 64) == [30, 34]
+
+
+def test_a_tail_is_late_if_it_would_end_past_a_deadline_running_a_tenth_slower() -> None:
+    assert tail_late([105.0, None], rest_s=4.5, now=100.0) == 0.0  # 4.95 s: in time
+    assert tail_late([105.0], rest_s=4.6, now=100.0) == pytest.approx(0.06)
+    assert tail_late([110.0, 104.0], rest_s=3.0, now=100.0) == 0.0
+    assert tail_late([103.0], rest_s=None, now=100.0) == 0.0  # no speed to tell: it runs

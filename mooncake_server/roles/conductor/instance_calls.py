@@ -81,7 +81,8 @@ class InstanceCalls:
                          burst_at=order.burst_at if order else None,
                          burst_rank=order.rank if order else 0,
                          burst_pass=order.pass_ranks if order else 0, start_within_s=within,
-                         answer_within_s=due)
+                         answer_within_s=due,
+                         pass_tail=plan.prefill_estimate.pass_tail and not flow.moves)
         where = f"prefill instance {prefill.instance_id}"
         try:
             async with open_stream(self._http, prefill.url, PREFILL, job, headers=self._headers,

@@ -15,7 +15,8 @@ worker runs it as forwards of a chunk back to back and answers its jobs when the
 as the conductor predicted; answered at the first forward's end, the decode of those requests
 would have cut the rest of the pass into short passes beside it. Unless holding them would make
 them late: a pass running past its jobs' first-token deadline answers the ones it has computed
-(`first_pass_late`).
+(`first_pass_late`). A pass's tail (`PrefillJob.pass_tail`) runs in a forward of its own after
+the others', and only if it would still end in time (`tail_late`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,36 @@ def first_pass_late(dues: Sequence[float | None], rest_s: float | None, now: flo
     if due is None or rest_s is None:
         return 0.0
     return max(0.0, now + rest_s - due)
+
+
+def forward_shares(pending: Sequence[tuple[int, bool]], chunk_tokens: int) -> list[int]:
+    """How many tokens of each pending job (its tokens left; whether it is a first pass's
+    tail not started yet) the next forward of at most `chunk_tokens` computes, oldest first: a
+    tail only in a forward of its own, so that it can still be turned away once the others'
+    forwards have run (`tail_late`)."""
+    shares, left = [], chunk_tokens
+    for pending_tokens, tail in pending:
+        take = 0 if tail and left < chunk_tokens else min(pending_tokens, max(0, left))
+        shares.append(take)
+        left -= take
+    return shares
+
+
+# NOTE: how much slower than the forwards just before it a first pass's tail may run and still
+# be started: two forwards of one pass on the AMD machine ran within 1.02-1.09x of each other.
+TAIL_DRIFT = 1.1
+
+
+def tail_late(dues: Sequence[float | None], rest_s: float | None, now: float) -> float:
+    """Seconds past the earliest of `dues` (the first-token deadlines of a first pass's tail
+    and of the jobs it holds) that the tail would end if started `now`, its forward taking
+    `rest_s` (at the speed the pass's forwards ran) times `TAIL_DRIFT`; 0.0 when in time.
+
+    Past 0.0 the tail is turned away before any work (429) and the held jobs answered: the
+    conductor let it in past the pass's usual share of the SLO on that condition
+    (conductor/scheduler/bursts.py, `TAIL_SLO_SHARE`).
+    """
+    return first_pass_late(dues, None if rest_s is None else rest_s * TAIL_DRIFT, now)
 
 
 class LateForSLO(Exception):

@@ -53,11 +53,14 @@ from mooncake_server.roles.prefill.job_queue import (
     JobQueue,
     LateForSLO,
     first_pass_late,
+    forward_shares,
     same_first_pass,
+    tail_late,
 )
 from mooncake_server.roles.prefill.kv_stream import LayerStream
 from mooncake_server.roles.prefill.metrics import PrefillMetrics
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
+from mooncake_server.roles.prefill.store_io import load_prefix, note_refused, save_blocks
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.store_client.kv_link import KVStoreLink
 from mooncake_server.wire.instances import PassSplit
@@ -205,6 +208,8 @@ class PrefillWorker:
                 return
             pending = [t for t in pending if t.seq is not None and t.seq.num_pending > 0]
             held += done
+            if one_pass and pending and all(t.job.pass_tail and not t.passes for t in pending):
+                pending = await self._tail_in_time(pending, held)
             if not (one_pass and pending) or self._held_would_miss(held, pending):
                 await self._answer(held)
                 held = []
@@ -224,21 +229,38 @@ class PrefillWorker:
                      rest, late)
         return late > 0
 
+    async def _tail_in_time(self, tails: list[_Task],
+                            held: list[tuple[_Task, list[FirstToken]]]) -> list[_Task]:
+        """A first pass's tail if, at the speed the pass ran, it ends within its deadline and
+        the held jobs'; otherwise turned away before any work (job_queue.tail_late)."""
+        rest = self.chunks.rest_s([(t.seq.num_pending, t.seq.num_computed)
+                                   for t in tails if t.seq is not None])
+        late = tail_late([t.answer_by for t in tails] + [t.answer_by for t, _ in held], rest,
+                         time.perf_counter())
+        if not late:
+            return tails
+        log.info("refusing %s, the tail of a first pass: at the speed the pass ran it would end "
+                 "%.2f s past its deadline", ", ".join(t.job.request_id for t in tails), late)
+        await self._fail_all(tails, LateForSLO(
+            f"the prefill's first pass ran late: its last prompt would miss its TTFT SLO by "
+            f"{late:.2f} s, so it was not started"))
+        return []
+
     async def _step(self, pending: list[_Task]) -> list[tuple[_Task, list[FirstToken]]]:
         """One forward pass over the oldest pending tokens, within one chunk; who completed.
 
         The chunk is sized per pass (`_chunk_tokens`): once a decode beside this prefill
         wakes, the passes after it shrink, and each sizes its thread team anew.
         """
-        left = self._chunk_tokens()
         items: list[tuple[_Task, StepItem]] = []
-        for task in pending:
+        shares = forward_shares([(t.seq.num_pending if t.seq is not None else 0,
+                                  t.job.pass_tail and not t.passes) for t in pending],
+                                self._chunk_tokens())
+        for task, chunk in zip(pending, shares):
             seq = task.seq
             assert seq is not None  # _prepare gave it one
-            if left <= 0:
-                break
-            chunk = min(seq.num_pending, left)
-            left -= chunk
+            if not chunk:
+                continue
             end = seq.num_computed + chunk
             if task.stream is not None:
                 task.stream.plan_chunk(end, final=end >= len(seq.token_ids))
@@ -369,7 +391,7 @@ class PrefillWorker:
         task.seq, task.hit = seq, len(hit)
         fetched = 0
         if reuse == "global" and len(hit) < len(reusable):
-            fetched = await self._load_prefix(reusable[len(hit):], fresh)
+            fetched = await load_prefix(self.link, self.metrics, reusable[len(hit):], fresh)
         task.reused = len(hit) + fetched
         seq.num_computed = task.reused * bt
         full = n // bt
@@ -456,37 +478,11 @@ class PrefillWorker:
         if stream is not None:
             try:
                 stored = await stream.finish(dict(zip(task.keys, sums)))
-                self._note_refused([stored[k] for k in task.keys])
+                note_refused(self.metrics, [stored[k] for k in task.keys])
                 return
             except StoreError as exc:
                 log.warning("streaming %d KV blocks failed, writing them whole: %s",
                             len(task.keys), exc)
                 self.metrics.store_errors.labels("stream").inc()
-        await self._save(task.keys, [task.seq.block_ids[i] for i in task.write], sums)
-
-    async def _load_prefix(self, keys: list[str], block_ids: list[int]) -> int:
-        """Cached prefix blocks read into `block_ids`; 0 (compute everything) if the store fails."""
-        if not keys:
-            return 0
-        try:
-            return await self.link.load(keys, block_ids, fallback=False)
-        except StoreError as exc:
-            log.warning("prefix lookup failed, computing the whole prompt: %s", exc)
-            self.metrics.store_errors.labels("load").inc()
-            return 0
-
-    async def _save(self, keys: list[str], block_ids: list[int], checksums: list[int]) -> None:
-        """Write new blocks; blocks the store cannot take are recomputed by the decode side."""
-        try:
-            stored = await self.link.save(keys, block_ids, checksums)
-        except StoreError as exc:
-            log.warning("storing %d KV blocks failed: %s", len(keys), exc)
-            self.metrics.store_errors.labels("save").inc()
-            return
-        self._note_refused(stored)
-
-    def _note_refused(self, stored: list[bool]) -> None:
-        if not all(stored):
-            log.warning("the store refused %d of %d KV blocks (full); decode recomputes them",
-                        stored.count(False), len(stored))
-            self.metrics.store_errors.labels("refused").inc()
+        await save_blocks(self.link, self.metrics, task.keys,
+                          [task.seq.block_ids[i] for i in task.write], sums)

@@ -114,6 +114,8 @@ class DecodeSteps:
 def describe_passes(est: PrefillEstimate, steps: Steps) -> str:
     """How an estimate computes its prompt, for the placement's log line: a misjudged cut-pass
     estimate shows which of its parts (chunk, wait, the steps) was off."""
+    if est.pass_tail:
+        return "the tail of the burst's first pass, in a forward of its own"
     if est.first_pass:
         return "in the burst's first pass"
     if not est.chunk_tokens:

@@ -44,6 +44,7 @@ from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.conductor.scheduler.bursts import (
     FIRST_PASS_CHUNKS,
+    TAIL_SLO_SHARE,
     BurstState,
     first_pass_share,
     settle,
@@ -349,11 +350,19 @@ class KVCacheScheduler:
             share = first_pass_share(overrun)
             if est.ttft_s + waited_s <= share * self.ttft_slo_s:
                 break
+            self._burst.full.add(iid)  # every costlier prompt: after the pass
+            # In a forward of its own, its fixed cost is not shared.
+            tail = estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
+                                    remote_tokens=remote, queue_s=queue_s,
+                                    calibration=self.tracker.calibration(iid), passes=passes)
+            if (self._burst.first_pass.get(iid, 0)
+                    and tail.ttft_s + waited_s <= TAIL_SLO_SHARE * self.ttft_slo_s):
+                est = tail._replace(pass_tail=True)
+                break
             log.info("the first pass on %s takes no %d-token prompt: it would end at an "
                      "estimated %.2f s, past %.2f of the TTFT SLO (long estimates ran over by "
                      "up to %s lately)", iid, prompt_tokens, est.ttft_s + waited_s, share,
                      "-" if overrun is None else f"{overrun:.2f}x")
-            self._burst.full.add(iid)  # this and every costlier prompt: after the pass
         return est._replace(ttft_s=est.ttft_s + waited_s, waited_s=waited_s, first_pass=first,
                             chunk_tokens=chunk,
                             pass_wait_s=passes.wait_s if passes is not None else 0.0,
