@@ -62,14 +62,15 @@ def forward_shares(pending: Sequence[tuple[int, bool]], chunk_tokens: int) -> li
     forwards have run (`tail_late`)."""
     shares, left = [], chunk_tokens
     for pending_tokens, tail in pending:
-        take = 0 if tail and left < chunk_tokens else min(pending_tokens, max(0, left))
+        take = 0 if tail and left < chunk_tokens else min(pending_tokens, left)
         shares.append(take)
         left -= take
     return shares
 
 
 # NOTE: how much slower than the forwards just before it a first pass's tail may run and still
-# be started: two forwards of one pass on the AMD machine ran within 1.02-1.09x of each other.
+# be started: the host's speed moves between passes, as the conductor's FIRST_PASS_DRIFT
+# allows for (one burst's pass ran 1.02x its estimate, a later one 1.09x).
 TAIL_DRIFT = 1.1
 
 

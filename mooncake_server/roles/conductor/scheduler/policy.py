@@ -351,14 +351,15 @@ class KVCacheScheduler:
             if est.ttft_s + waited_s <= share * self.ttft_slo_s:
                 break
             self._burst.full.add(iid)  # every costlier prompt: after the pass
-            # In a forward of its own, its fixed cost is not shared.
-            tail = estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
-                                    remote_tokens=remote, queue_s=queue_s,
-                                    calibration=self.tracker.calibration(iid), passes=passes)
-            if (self._burst.first_pass.get(iid, 0)
-                    and tail.ttft_s + waited_s <= TAIL_SLO_SHARE * self.ttft_slo_s):
-                est = tail._replace(pass_tail=True)
-                break
+            if self._burst.first_pass.get(iid, 0):  # a lone prompt has no forward before it
+                # In a forward of its own, its fixed cost is not shared.
+                tail = estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
+                                        remote_tokens=remote, queue_s=queue_s,
+                                        calibration=self.tracker.calibration(iid),
+                                        passes=passes)
+                if tail.ttft_s + waited_s <= TAIL_SLO_SHARE * self.ttft_slo_s:
+                    est = tail._replace(pass_tail=True)
+                    break
             log.info("the first pass on %s takes no %d-token prompt: it would end at an "
                      "estimated %.2f s, past %.2f of the TTFT SLO (long estimates ran over by "
                      "up to %s lately)", iid, prompt_tokens, est.ttft_s + waited_s, share,
