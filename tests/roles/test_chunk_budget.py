@@ -179,3 +179,24 @@ def test_the_rest_of_a_pass_is_timed_at_the_speed_the_last_full_pass_ran() -> No
     chunks.observe([(64, 0)], 9 * MODEL.prefill_s(64), beside_decode=True)  # a cut pass
     assert chunks.rest_s([(100, 0), (40, 0)]) == pytest.approx(1.5 * (0.01 + 0.14))
     assert ChunkBudget(256).rest_s([(100, 0)]) is None  # no cost model (no --tbt-slo)
+
+
+def test_a_prompt_started_now_is_timed_at_the_speed_passes_here_ran() -> None:
+    """What the prefill asks before starting a job past its start deadline: how long the prompt
+    takes now, in cut passes and their waits beside a decode, whole otherwise; unknown until
+    such passes were timed here (the job is then refused, as the conductor's deadline says)."""
+    clock = Clock()
+    chunks = ChunkBudget(256, MODEL, tbt_slo_s=0.2, clock=clock)
+    assert chunks.prompt_s(130, beside_decode=True) is None
+    assert chunks.prompt_s(130, beside_decode=False) is None
+    for wait in (0.01, 0.03, 0.05, 0.07):
+        chunks.observe([(64, 0)], 2 * MODEL.prefill_s(64), wait_s=wait, beside_decode=True)
+    assert chunks.prompt_s(130, beside_decode=False) is None  # no whole pass timed yet
+    # Chunks of 65 tokens (75 ms modelled, 150 ms at 2x): two passes, each after a 40 ms wait.
+    assert chunks.tokens() == 65
+    assert chunks.prompt_s(130, beside_decode=True) == pytest.approx(2 * (0.15 + 0.04))
+    chunks.observe([(1024, 0)], 1.5 * MODEL.prefill_s(1024))
+    assert chunks.prompt_s(130, beside_decode=False) == pytest.approx(1.5 * 0.14)
+    clock.now += 61.0  # the cut speed is forgotten: beside a decode it is unknown again
+    assert chunks.prompt_s(130, beside_decode=True) is None
+    assert ChunkBudget(256).prompt_s(130, beside_decode=False) is None  # no --tbt-slo

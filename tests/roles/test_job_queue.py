@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from mooncake_server.roles.prefill.job_queue import (
     ORDER_WAIT_S,
     JobQueue,
+    LateForSLO,
     first_pass_late,
     forward_shares,
     tail_late,
 )
+from mooncake_server.roles.prefill.metrics import PrefillMetrics
+from mooncake_server.roles.prefill.worker import PrefillWorker, _Task
 from mooncake_server.wire.jobs import PrefillJob, SamplingParams
 
 
@@ -72,6 +79,37 @@ def test_a_job_past_its_start_deadline_is_set_aside_before_any_work() -> None:
     clock.now += 0.6
     batch, late = q.take(budget_tokens=1000)
     assert ids(late) == ["late"] and ids(batch) == ["on-time", "no-deadline"]
+
+
+def test_a_late_job_the_instance_still_finds_in_time_runs_alone() -> None:
+    """The start deadline came from the conductor's estimate at placing; when the job's turn
+    comes the instance may know better (`in_time`, its own measured speed). A late job it finds
+    in time runs, alone, as it was judged; one it does not is set aside. A late job behind the
+    batch's head is not asked: its time would start after the head's."""
+    clock = Clock()
+    q = JobQueue(clock)
+    for t in (task("late-ok", 100, burst_at=1.0, within=0.5),
+              task("late-no", 100, burst_at=1.0, rank=1, within=0.5),
+              task("next", 100, burst_at=2.0, within=5.0)):
+        q.push(t)
+    clock.now += 0.6
+    asked: list[str] = []
+
+    def in_time(t: Task) -> bool:  # type: ignore[type-arg]
+        asked.append(t.job.request_id)
+        return t.job.request_id == "late-ok"
+
+    batch, late = q.take(budget_tokens=1000, in_time=in_time)
+    assert ids(batch) == ["late-ok"] and not late  # "next" would have fit: not beside it
+    batch, late = q.take(budget_tokens=1000, in_time=in_time)
+    assert ids(late) == ["late-no"] and ids(batch) == ["next"]
+    assert asked == ["late-ok", "late-no"]
+    q.push(task("head", 100, burst_at=3.0, within=5.0))
+    q.push(task("behind", 100, burst_at=3.0, rank=1, within=0.5))
+    clock.now += 0.6
+    batch, late = q.take(budget_tokens=1000, in_time=in_time)
+    assert ids(batch) == ["head"] and ids(late) == ["behind"]
+    assert asked == ["late-ok", "late-no"]
 
 
 def test_jobs_without_an_order_run_in_arrival_order_and_cancelled_ones_are_dropped() -> None:
@@ -158,3 +196,40 @@ def test_a_tail_is_late_if_it_would_end_past_a_deadline_running_a_tenth_slower()
     assert tail_late([105.0], rest_s=4.6, now=100.0) == pytest.approx(0.06)
     assert tail_late([110.0, 104.0], rest_s=3.0, now=100.0) == 0.0
     assert tail_late([103.0], rest_s=None, now=100.0) == 0.0  # no speed to tell: it runs
+
+
+async def test_the_worker_starts_a_late_job_only_if_its_measured_speed_ends_it_by_its_due() -> None:
+    """The prefill worker asks its own timing (`ChunkBudget.prompt_s`) when a job's start
+    deadline passed: due in 3 s, a prompt timed at 2.5 s starts (10% slower: 2.75 s); timed at
+    2.8 s (3.08 s) or not timed at all it is refused with 429, before any work."""
+    class Worker(PrefillWorker):
+        def __init__(self, run_s: float | None) -> None:  # none of the engine is needed
+            self._queue = JobQueue()
+            self.chunks = SimpleNamespace(prompt_s=lambda n, beside, step: run_s)
+            self.runner = SimpleNamespace(cores=SimpleNamespace(others_step_s=lambda: 0.03))
+            self.cache = SimpleNamespace(release=lambda blocks: None)
+            self.registry = CollectorRegistry()
+            self.metrics = PrefillMetrics(self.registry)
+
+        def _beside_decode(self) -> bool:
+            return True
+
+        def _chunk_tokens(self) -> int:
+            return 64
+
+    loop = asyncio.get_running_loop()
+    for run_s, starts in ((2.5, True), (2.8, False), (None, False)):
+        worker = Worker(run_s)
+        job = PrefillJob(request_id="r", prompt_token_ids=[1] * 400, block_keys=[],
+                         sampling=SamplingParams(max_tokens=4), start_within_s=0.5,
+                         answer_within_s=4.0)
+        queued = _Task(job, loop.create_future(), queued_at=time.perf_counter() - 1.0)
+        worker._queue.push(queued)
+        assert [t.job.request_id for t in worker._take_batch()] == (["r"] if starts else [])
+        assert queued.done.done() is not starts
+        # /metrics counts the jobs started so.
+        assert worker.registry.get_sample_value("mooncake_prefill_late_started_total") == (
+            1 if starts else 0)
+        if not starts:
+            with pytest.raises(LateForSLO, match="could not start within 0.50 s"):
+                queued.done.result()

@@ -227,9 +227,9 @@ async def test_with_a_ttft_slo_a_bursts_first_pass_runs_past_one_chunk() -> None
     # 10 + 200 + 300 ms in the first forward, 10 + 400 ms for c's (it crosses into a second).
     assert [p.prefill_estimate.ttft_s for p in plans] == pytest.approx([0.92] * 3)
     assert [(p.order.rank, p.order.pass_ranks) for p in plans] == [(0, 3), (1, 3), (2, 3)]
-    # With a 0.95 s SLO, 0.92 s is past 0.85 of it, and past the 0.95 a pass's tail may take:
+    # With a 0.9 s SLO, 0.92 s is past 0.85 of it, and past the SLO a pass's tail may reach:
     # c runs after the pass, in cut passes (late).
-    s = scheduler(Clock(), ttft_slo=0.95)
+    s = scheduler(Clock(), ttft_slo=0.9)
     shared_prefill(s, chunk_tokens=600)
     got = await burst(s, {"a": 200, "b": 300, "c": 400})
     assert isinstance(got["c"], SLORejected) and "estimated TTFT 1.15 s" in str(got["c"])
@@ -292,10 +292,10 @@ async def test_the_first_pass_takes_the_share_of_the_slo_recent_estimates_earned
 async def test_a_prompt_past_the_first_pass_share_joins_it_as_its_tail() -> None:
     """Cheapest first, a and b end the pass at 0.72 s (two forwards); c would end it at 1.17 s
     sharing b's forward, past 0.85 of a 1.3 s SLO (1.105 s). It joins as the pass's tail
-    instead: in a forward of its own (10 ms more), the whole pass at 1.18 s, within 0.95 of the
-    SLO, and its job tells the prefill to start it only if the forwards before it ran in time.
-    With a 1.2 s SLO the tail would end past 0.95 of it: c runs after the pass, in cut passes
-    (late: refused)."""
+    instead: in a forward of its own (10 ms more), the whole pass at 1.18 s, within the SLO,
+    and its job tells the prefill to start it only if the forwards before it ran in time.
+    With a 1.15 s SLO the tail would end past it: c runs after the pass, in cut passes (late:
+    refused)."""
     s = scheduler(Clock(), ttft_slo=1.3)
     shared_prefill(s, chunk_tokens=600)
     got = await burst(s, {"a": 300, "b": 400, "c": 450})
@@ -305,7 +305,7 @@ async def test_a_prompt_past_the_first_pass_share_joins_it_as_its_tail() -> None
     # Every member answers when the pass ends: after the tail's forward.
     assert [p.prefill_estimate.ttft_s for p in plans] == pytest.approx([1.18] * 3)
     assert [(p.order.rank, p.order.pass_ranks) for p in plans] == [(0, 3), (1, 3), (2, 3)]
-    s = scheduler(Clock(), ttft_slo=1.2)
+    s = scheduler(Clock(), ttft_slo=1.15)
     shared_prefill(s, chunk_tokens=600)
     got = await burst(s, {"a": 300, "b": 400, "c": 450})
     assert isinstance(got["b"], Plan) and not got["b"].prefill_estimate.pass_tail

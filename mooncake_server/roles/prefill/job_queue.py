@@ -9,7 +9,9 @@ held the cores for seconds while the burst's short ones waited behind it (a repl
 requests, estimated at 0.02-0.8 s, answered at 3.7 s). A job that also carries
 `start_within_s` and has waited longer than that is turned away before any work (`LateForSLO`,
 HTTP 429): started now, it would miss the TTFT it was admitted under, and the jobs behind it
-with it.
+with it. Unless the instance, at the speed its passes ran lately, still finds it in time
+(`JobQueue.take`'s `in_time`): the conductor set that start from its estimate at placing, which
+for passes beside a decode not timed yet is a prior.
 A first pass is taken whole, even past the chunk (the conductor sizes it by the TTFT SLO): the
 worker runs it as forwards of a chunk back to back and answers its jobs when the last one ends,
 as the conductor predicted; answered at the first forward's end, the decode of those requests
@@ -143,11 +145,16 @@ class JobQueue:
         job = task.job
         return (job.burst_at if job.burst_at is not None else task.queued_wall, job.burst_rank)
 
-    def take(self, budget_tokens: int) -> tuple[list[Waiting], list[Waiting]]:
+    def take(self, budget_tokens: int, in_time: Callable[[Waiting], bool] | None = None
+             ) -> tuple[list[Waiting], list[Waiting]]:
         """The next batch (the first job in order, and those after it that fit in
         `budget_tokens` prompt tokens beside it, or share its burst's first pass) and the jobs
         found late on the way. An empty batch with `hold_s` > 0: the first job waits for its
-        burst's earlier ranks."""
+        burst's earlier ranks.
+
+        A job past its start deadline that would head the batch is asked about once more
+        (`in_time`: it would still end by its first token's deadline if started now, alone);
+        if so it is the batch, alone, as that judgement assumed."""
         self._jobs.sort(key=self._order)
         batch: list[Waiting] = []
         late: list[Waiting] = []
@@ -161,6 +168,9 @@ class JobQueue:
                 continue
             within = task.job.start_within_s
             if within is not None and now - task.queued_at > within:
+                if not batch and in_time is not None and in_time(task):
+                    batch.append(self._jobs.pop(0))
+                    break
                 late.append(self._jobs.pop(0))
                 continue
             n = len(task.job.prompt_token_ids)

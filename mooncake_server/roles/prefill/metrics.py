@@ -29,6 +29,10 @@ class PrefillMetrics:
             "mooncake_prefill_handoff_hold_seconds",
             "Seconds passes waited for a decode on the same cores to start jobs handed to it",
             registry=registry)
+        self.late_started = Counter(
+            "mooncake_prefill_late_started",
+            "Jobs started past their start deadline: this instance's own speed still ended them "
+            "by their first token's deadline", registry=registry)
         self.store_errors = Counter("mooncake_prefill_store_errors",
                                     "KV loads / saves the store could not serve (recomputed)",
                                     ["op"], registry=registry)

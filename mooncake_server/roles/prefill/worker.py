@@ -37,21 +37,20 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
 from mooncake_server.config import ServerConfig
 from mooncake_server.engine.core_budget import machine_cores
 from mooncake_server.engine.kv_cache import OutOfBlocks
-from mooncake_server.engine.logprobs import score_prompt_chunks, token_logprob
+from mooncake_server.engine.logprobs import score_prompt_chunks
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
-from mooncake_server.engine.sampler import sample_token
 from mooncake_server.engine.sequence import Sequence
 from mooncake_server.roles.prefill.cache_report import CacheReporter
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
+from mooncake_server.roles.prefill.first_tokens import first_tokens
 from mooncake_server.roles.prefill.handoff_hold import HandoffHold, decode_beside
 from mooncake_server.roles.prefill.job_queue import (
     JobQueue,
     LateForSLO,
+    Waiting,
     first_pass_late,
     forward_shares,
     same_first_pass,
@@ -167,7 +166,7 @@ class PrefillWorker:
     def _take_batch(self) -> list[_Task]:
         """The next job in the admission's order, and those after it whose prompts fit in the
         same chunk; jobs that waited past their start deadline are refused (429)."""
-        batch, late = self._queue.take(self._chunk_tokens())
+        batch, late = self._queue.take(self._chunk_tokens(), self._still_in_time)
         for task in late:
             assert isinstance(task, _Task)
             waited = time.perf_counter() - task.queued_at
@@ -177,6 +176,23 @@ class PrefillWorker:
                 f"prefill could not start within {task.job.start_within_s:.2f} s "
                 f"(waited {waited:.2f} s): it would miss its TTFT SLO"))
         return [t for t in batch if isinstance(t, _Task)]
+
+    def _still_in_time(self, task: Waiting) -> bool:
+        """Whether a job past its start deadline, started now and alone, would still end by
+        its first token's deadline at the speed passes here ran lately, `TAIL_DRIFT` slower
+        (job_queue.py; no speed timed, no deadline: it would not)."""
+        assert isinstance(task, _Task)
+        due = task.answer_by
+        run_s = self.chunks.prompt_s(len(task.job.prompt_token_ids), self._beside_decode(),
+                                     self.runner.cores.others_step_s())
+        if due is None or run_s is None or tail_late([due], run_s, time.perf_counter()):
+            return False
+        self.metrics.late_started.inc()
+        log.info("starting %s past the start its TTFT SLO allowed (%.2f s after it came): at "
+                 "the speed passes here ran lately it ends in an estimated %.2f s, %.2f s before "
+                 "its first token is due", task.job.request_id,
+                 time.perf_counter() - task.queued_at, run_s, due - time.perf_counter() - run_s)
+        return True
 
     async def _run_batch(self, batch: list[_Task]) -> None:
         """Prepare the batch, then step it; each job is answered once its prompt is computed."""
@@ -289,23 +305,8 @@ class PrefillWorker:
         for row, (task, item) in enumerate(items):
             item.seq.num_computed += item.num_new
             if item.seq.num_pending == 0:
-                done.append((task, self._first_tokens(task.job, item.seq, logits[row])))
+                done.append((task, first_tokens(task.job, item.seq, logits[row])))
         return done
-
-    @staticmethod
-    def _first_tokens(job: PrefillJob, seq: Sequence, logits: torch.Tensor) -> list[FirstToken]:
-        """Each choice's first token from the prompt's last row `logits` [vocab]."""
-        adjusted = seq.next_token_logits(logits)  # NOTE: no output yet: the same for every choice
-        top = job.sampling.logprobs
-        firsts = []
-        for i in range(job.sampling.n):
-            params = job.sampling.for_choice(i)
-            generator = seq.generator if i == 0 or params.seed is None else (
-                torch.Generator().manual_seed(params.seed))
-            token = sample_token(adjusted, params, generator)
-            firsts.append(FirstToken(token_id=token, logprob=None if top is None
-                                     else token_logprob(logits, token, top)))
-        return firsts
 
     async def _answer(self, done: list[tuple[_Task, list[FirstToken]]]) -> None:
         """Finish the completed jobs, report the cache's changes, then answer their callers."""

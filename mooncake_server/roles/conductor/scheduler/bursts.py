@@ -58,8 +58,10 @@ UNMEASURED_OVERRUN = 1.07
 # is refused (429) before any work and the others are answered at once. The guard turned away
 # one such prompt per point in goodput replays where the pass with it measured within the SLO
 # (734 tokens at an estimated 4.30 s, past 0.85 of a 5 s SLO; the same pass measured 4.16 s
-# in another run).
-TAIL_SLO_SHARE = 0.95
+# in another run). The prefill's check at the speed measured is the margin, so the tail's
+# estimate need only be within the SLO itself: at 0.95 of it, a 730-token tail estimated at
+# 4.87 s was turned away where the forwards before it ran 0.90x their estimate (3.17 s).
+TAIL_SLO_SHARE = 1.0
 
 
 def first_pass_share(overrun: float | None) -> float:
