@@ -100,8 +100,8 @@ class PrefillJob(BaseModel):
     # first pass that runs late answers the jobs it has computed instead of holding them for
     # its end. None: no deadline.
     answer_within_s: float | None = None
-    # The last rank of its burst's first pass, let in past the pass's usual share of the TTFT
-    # SLO: it gets a forward of its own after the others', started only if it would end by
+    # The last rank of its burst's first pass, the prompt that took the pass past one chunk:
+    # it gets a forward of its own after the others', started only if it would end by
     # `answer_within_s` at the speed they ran; otherwise it is turned away (429) before any work.
     pass_tail: bool = False
 

@@ -30,8 +30,8 @@ from mooncake_server.api.burst import Order
 # the same first pass, 3.4 s). The SLO bounds the pass's time; this bounds the KV it holds at
 # once on the prefill instance (two 2,048-token chunks of the bundled model: 190 MB in fp32).
 FIRST_PASS_CHUNKS = 2
-# NOTE: past one chunk, a prompt joins the first pass only while the pass's estimated end stays
-# within a share of the TTFT SLO: the pass answers all its jobs when it ends, so one that runs
+# NOTE: a lone prompt past one chunk (no tail: see TAIL_SLO_SHARE) makes a first pass only while
+# its estimated end stays within a share of the TTFT SLO: the pass answers all its jobs when it ends, so one that runs
 # long makes them all miss at once. The estimate reads the host's speed of the last minute, and
 # on a shared host that moves between two passes: in goodput replays on the 2-core AMD machine
 # a 2,048-token forward took 3.61 s and, 12 s later, 4.19 s, and such passes measured 1.05-1.23x
@@ -52,10 +52,14 @@ FIRST_PASS_DRIFT = 1.1
 # in the benchmark's runs (a share of 0.85 of the SLO).
 UNMEASURED_OVERRUN = 1.07
 # NOTE: the share that margin guards is the pass's jobs answered at its end. The prompt that
-# would take the pass past it may still join it as its tail, up to this share: it runs in a
-# forward of its own after the others' (roles/prefill/job_queue.py, `tail_late`), and starts
-# only if, at the speed those forwards just ran, it would end within its deadline; otherwise it
-# is refused (429) before any work and the others are answered at once. The guard turned away
+# takes a pass past one chunk joins it as its tail, whatever the share, if the pass with it ends
+# within this share: it runs in a forward of its own after the others' (roles/prefill/
+# job_queue.py, `tail_late`), and starts only if, at the speed those forwards just ran, it would
+# end within its deadline; otherwise it is refused (429) before any work and the others are
+# answered at once. Nothing joins the pass after it. Sharing the others' forwards within the
+# share, a 1,518-token prompt crossed into its pass's second forward; the first ran 1.15x its
+# estimate, the prefill answered the nine jobs computed, and their decoding cut the rest of the
+# long prompt (answered at 6.47 and 7.53 s against a 5 s SLO). The share had turned away
 # one such prompt per point in goodput replays where the pass with it measured within the SLO
 # (734 tokens at an estimated 4.30 s, past 0.85 of a 5 s SLO; the same pass measured 4.16 s
 # in another run). The prefill's check at the speed measured is the margin, so the tail's

@@ -43,8 +43,8 @@ class PrefillEstimate(NamedTuple):
     waited_s: float = 0.0
     # Its passes are cut at a speed the instance has not timed beside a decode yet.
     cut_prior: bool = False
-    # The last prompt of its burst's first pass, let in past the pass's usual share of the
-    # SLO: it runs in a forward of its own, started only if the forwards before it leave it
+    # The last prompt of its burst's first pass, the one that took the pass past one chunk:
+    # it runs in a forward of its own, started only if the forwards before it leave it
     # time (scheduler/bursts.py, `TAIL_SLO_SHARE`).
     pass_tail: bool = False
 
