@@ -30,19 +30,19 @@ from mooncake_server.api.burst import Order
 # the same first pass, 3.4 s). The SLO bounds the pass's time; this bounds the KV it holds at
 # once on the prefill instance (two 2,048-token chunks of the bundled model: 190 MB in fp32).
 FIRST_PASS_CHUNKS = 2
-# NOTE: a lone prompt past one chunk (no tail: see TAIL_SLO_SHARE) makes a first pass only
-# while its estimated end stays within a share of the TTFT SLO: the pass answers all its jobs
-# when it ends, so one that runs long makes them all miss at once. The estimate reads the
-# host's speed of the last minute, and on a shared host that moves between two passes: in
-# goodput replays on the 2-core AMD machine a 2,048-token forward took 3.61 s and, 12 s later,
-# 4.19 s, and such passes measured 1.05-1.23x their estimates (once 1.35x). At 0.9 of the SLO, in one benchmark run, two such passes
-# (estimated 4.46 and 4.47 s) ran 1.12 and 1.23x and their 12 and 9 requests missed. At a fixed
-# 0.8, on a steadier host where long passes ran 0.91-0.97x their estimates, it turned away one
-# prompt per burst that the pass had room for (a 1,518-token one that would have ended the pass
-# at an estimated 4.58 s, a 730-token one at 4.61 s). So the share follows how far the long
-# estimates ran over lately (`first_pass_share`): the pass must end within the SLO even if it
-# runs `FIRST_PASS_DRIFT` times further over its estimate than the worst of them, within these
-# bounds.
+# NOTE: a lone prompt past one chunk (no tail: see TAIL_SLO_SHARE) makes a first pass only while
+# its estimated end stays within a share of the TTFT SLO: the pass answers all its jobs when it
+# ends, so one that runs long makes them all miss at once. The estimate reads the host's speed
+# of the last minute, and on a shared host that moves between two passes: in goodput replays on
+# the 2-core AMD machine a 2,048-token forward took 3.61 s and, 12 s later, 4.19 s, and such
+# passes measured 1.05-1.23x their estimates (once 1.35x). At 0.9 of the SLO, in one benchmark
+# run, two such passes (estimated 4.46 and 4.47 s) ran 1.12 and 1.23x and their 12 and 9
+# requests missed. At a fixed 0.8, on a steadier host where long passes ran 0.91-0.97x their
+# estimates, it turned away one prompt per burst that the pass had room for (a 1,518-token one
+# that would have ended the pass at an estimated 4.58 s, a 730-token one at 4.61 s). So the
+# share follows how far the long estimates ran over lately (`first_pass_share`): the pass must
+# end within the SLO even if it runs `FIRST_PASS_DRIFT` times further over its estimate than the
+# worst of them, within these bounds.
 FIRST_PASS_SLO_SHARE = (0.8, 0.95)
 # NOTE: how much further over its estimate the next long pass may run than the worst recent
 # one: on the steadier host, one burst's pass ran 1.02x its estimate and a later one 1.09x.
