@@ -131,13 +131,12 @@ class ChunkBudget:
                  decode_step_s: float = 0.0) -> float | None:
         """Seconds a prompt of `new_tokens` started now takes at the speed passes here ran
         lately: in cut passes and their waits while a decode has work (`beside_decode`), else
-        whole. None where that speed was not timed here lately (cut) or ever (whole)."""
+        whole at the last full pass's speed (`rest_s`). None where that speed was not timed
+        here lately (cut) or ever (whole)."""
         if self.model is None or new_tokens <= 0:
             return None
         if not beside_decode:
-            if self._last_full is None:
-                return None
-            return self.model.prefill_s(new_tokens) * self._ratio(cut=False, mean=True)
+            return self.rest_s([(new_tokens, 0)])
         if not self._cut.recent:
             return None
         modelled, passes = self.model.chunked_prefill_s(new_tokens, 0, self.tokens(decode_step_s))

@@ -185,13 +185,14 @@ class PrefillWorker:
         due = task.answer_by
         run_s = self.chunks.prompt_s(len(task.job.prompt_token_ids), self._beside_decode(),
                                      self.runner.cores.others_step_s())
-        if due is None or run_s is None or tail_late([due], run_s, time.perf_counter()):
+        now = time.perf_counter()
+        if due is None or run_s is None or tail_late([due], run_s, now):
             return False
         self.metrics.late_started.inc()
         log.info("starting %s past the start its TTFT SLO allowed (%.2f s after it came): at "
                  "the speed passes here ran lately it ends in an estimated %.2f s, %.2f s before "
-                 "its first token is due", task.job.request_id,
-                 time.perf_counter() - task.queued_at, run_s, due - time.perf_counter() - run_s)
+                 "its first token is due", task.job.request_id, now - task.queued_at, run_s,
+                 due - now - run_s)
         return True
 
     async def _run_batch(self, batch: list[_Task]) -> None:

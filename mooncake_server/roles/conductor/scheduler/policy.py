@@ -348,26 +348,23 @@ class KVCacheScheduler:
                 break
             overrun = self.outcomes.overrun()
             share = first_pass_share(overrun)
-            self._burst.full.add(iid)  # every costlier prompt: after the pass
-            alone = not self._burst.first_pass.get(iid, 0)
-            if alone:  # no forward before it to time: no tail
-                if est.ttft_s + waited_s <= share * self.ttft_slo_s:
-                    self._burst.full.discard(iid)
-                    break
-            else:
+            alone = not self._burst.first_pass.get(iid, 0)  # no forward before it to time
+            limit = share if alone else TAIL_SLO_SHARE
+            if not alone:
                 # The prompt that takes the pass past one chunk is its tail (bursts.py), in a
                 # forward of its own, whose fixed cost is not shared.
-                tail = estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
-                                        remote_tokens=remote, queue_s=queue_s,
-                                        calibration=self.tracker.calibration(iid),
-                                        passes=passes)
-                if tail.ttft_s + waited_s <= TAIL_SLO_SHARE * self.ttft_slo_s:
-                    est = tail._replace(pass_tail=True)
-                    break
+                est = estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
+                                       remote_tokens=remote, queue_s=queue_s,
+                                       calibration=self.tracker.calibration(iid),
+                                       passes=passes)._replace(pass_tail=True)
+            fits = est.ttft_s + waited_s <= limit * self.ttft_slo_s
+            if not (alone and fits):
+                self._burst.full.add(iid)  # every costlier prompt: after the pass
+            if fits:
+                break
             log.info("the first pass on %s takes no %d-token prompt: it would end at an "
                      "estimated %.2f s, past %.2f of the TTFT SLO (long estimates ran over by "
-                     "up to %s lately)", iid, prompt_tokens, est.ttft_s + waited_s,
-                     share if alone else TAIL_SLO_SHARE,
+                     "up to %s lately)", iid, prompt_tokens, est.ttft_s + waited_s, limit,
                      "-" if overrun is None else f"{overrun:.2f}x")
         return est._replace(ttft_s=est.ttft_s + waited_s, waited_s=waited_s, first_pass=first,
                             chunk_tokens=chunk,
