@@ -39,6 +39,11 @@ SEED_PASS_TOKENS = 512
 # with only the 512-token one, a run's first burst stopped at one chunk and refused its
 # 734-token prompt, which in the pass was estimated at 3.56 s and answered at 3.75 s.
 LONG_PASS_SHARE = 0.75
+# A prefill that holds an answered job's hand-off to the decode while prompts queued behind it
+# run whole (roles/prefill/hand_on.py) sends it on this long before its first token's deadline:
+# the decode job, its KV load and a step, after the cut pass that may hold the cores (tens of
+# milliseconds each on the 2-core machine); the TBT SLO the second token also has is margin.
+HOLD_MARGIN_S = 0.25
 
 
 def seed_pass_tokens(chunk_tokens: int, max_model_len: int, kv_tokens: int, *,

@@ -127,6 +127,9 @@ class PrefillResult(PrefillFirst):
     block_checksums: list[int]  # CRC32C of each full block, then the tail, in key order
     prefill_seconds: float
     local_cached_tokens: int = 0  # of cached_tokens, those found in the instance's own cache
+    # Seconds the result waited after the first tokens went out while prompts queued behind it
+    # ran whole (roles/prefill/hand_on.py): the hand-off to the decode starts only now.
+    held_s: float = Field(default=0.0, ge=0.0)
 
 
 class PrefillCacheReport(BaseModel):

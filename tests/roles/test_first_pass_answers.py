@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from mooncake_server.roles.prefill.job_queue import LateForSLO, forward_shares
+from mooncake_server.roles.prefill.job_queue import JobQueue, LateForSLO, forward_shares
 from mooncake_server.roles.prefill.worker import PrefillWorker, _Task
 from mooncake_server.wire.jobs import PrefillJob, SamplingParams
 
@@ -33,6 +33,7 @@ class RecordedWorker(PrefillWorker):
         self.chunks = SimpleNamespace(rest_s=lambda items: rest_s)
         self.released: list[int] = []  # KV blocks given back by jobs that failed
         self.cache = SimpleNamespace(release=self.released.extend)
+        self._queue = JobQueue()
 
     async def _prepare(self, task: Any) -> None:
         task.seq = SimpleNamespace(num_pending=len(task.job.prompt_token_ids), num_computed=0,
@@ -54,7 +55,7 @@ class RecordedWorker(PrefillWorker):
         self.events.append(("forward", computed))
         return done
 
-    async def _answer(self, done: list[tuple[Any, list[Any]]]) -> None:
+    async def _answer(self, done: list[tuple[Any, list[Any]]], behind_tokens: int = 0) -> None:
         if done:
             self.events.append(("answer", [t.job.request_id for t, _ in done]))
 

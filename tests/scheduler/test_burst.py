@@ -234,12 +234,14 @@ async def test_with_a_ttft_slo_a_bursts_first_pass_runs_past_one_chunk() -> None
     got = await burst(s, {"a": 200, "b": 300, "c": 400})
     assert isinstance(got["c"], SLORejected) and "estimated TTFT 1.15 s" in str(got["c"])
     # So it does when the instance timed no full pass of at least 3/4 of a chunk lately: its
-    # speed on short passes does not predict a long one. Here 1.15 s is within the SLO.
+    # speed on short passes does not predict a long one. c then runs whole after the pass all
+    # the same (the instance holds a and b's hand-off to the decode while c is queued, as it
+    # ends by 0.95 s, 0.25 s before their first token's deadline): 0.92 s.
     s = scheduler(Clock(), ttft_slo=1.2)
     shared_prefill(s, chunk_tokens=600, measured_tokens=449)
     c = (await burst(s, {"a": 200, "b": 300, "c": 400}))["c"]
     assert isinstance(c, Plan) and not c.first_pass
-    assert c.prefill_estimate.ttft_s == pytest.approx(1.15, abs=0.005)
+    assert c.prefill_estimate.ttft_s == pytest.approx(0.92, abs=0.005)
     # Without a TTFT SLO nothing bounds the pass's time: it stops at one chunk.
     s = scheduler(Clock(), ttft_slo=None, tbt_slo=1.0)
     shared_prefill(s, chunk_tokens=600)
@@ -345,17 +347,17 @@ async def test_a_decode_beside_a_prefill_is_judged_with_the_pass_it_will_wait_fo
     assert b.tbt_s == pytest.approx(0.15)  # 2 sequences' 30 ms step + the 120 ms pass it leaves
 
 
-@pytest.mark.parametrize(("max_tokens", "b_ttft"), [(3, 1.6 + 0.48), (64, 1.6 + 1.65),
+@pytest.mark.parametrize(("max_tokens", "b_ttft"), [(3, 1.6 + 0.299), (64, 1.6 + 1.65),
                                                      (None, 1.6 + 1.65)])
 async def test_a_prompt_that_starts_after_the_last_bursts_decoding_waits_for_its_own(
         max_tokens: int | None, b_ttft: float) -> None:
     """Twenty requests of an earlier burst decode in 120 ms steps, so a's passes beside them are
     cut to 30 tokens each waiting 120 ms: 1.6 s. When they have two tokens left each (0.32 s
-    of steps and passes), b, which starts after a, waits only for the step of a decoding (25 ms)
-    in 100-token passes: 0.48 s. Charged the old steps, a burst that came as the last one's
-    requests ended was refused (a 422-token prompt at an estimated 6.01 s, which colocated
-    served in 3.24 s). With 63 tokens left, or lengths unknown, b waits for the old steps, a's
-    among them (125 ms): 1.65 s."""
+    of steps and passes), b, which starts after a, waits for no step: the instance holds a's
+    hand-off to the decode while b is queued (prefill/hand_on.py), so b runs whole: 0.299 s.
+    Charged the old steps, a burst that came as the last one's requests ended was refused (a
+    422-token prompt at an estimated 6.01 s, which colocated served in 3.24 s). With 63 tokens
+    left, or lengths unknown, b waits for the old steps, a's among them (125 ms): 1.65 s."""
     s = scheduler(Clock(), ttft_slo=5.0, tbt_slo=0.2)
     shared_prefill(s)
     for i in range(20):

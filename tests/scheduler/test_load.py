@@ -155,3 +155,19 @@ def test_decode_steps_left_counts_each_requests_tokens_per_choice() -> None:
     assert t.decode_steps_left("d1") is None
     t.finished("unknown")
     assert t.decode_steps_left("d1") == 2
+
+
+def test_a_held_hand_off_is_timed_from_when_the_prefill_sent_it_on() -> None:
+    """A prefill that held a request's hand-off while prompts behind it ran (prefill/hand_on.py)
+    sends it on 4 s after its first token; the decode then starts it in 60 ms. Timed from the
+    first token, every later request would be judged to reach its second token 4 s late."""
+    clock = Clock()
+    t = LoadTracker(clock, horizon_s=10.0)
+    t.assign("r", "p1", 1.0, "d1", 100)
+    clock.now += 0.2
+    t.prefill_done("r")
+    clock.now += 4.0
+    t.handed_on("r")
+    clock.now += 0.06
+    t.token("r", 0.025)
+    assert t.handoff_s("d1") == pytest.approx(0.06)

@@ -105,6 +105,8 @@ class RequestPath:
                 for event in firsts or ():
                     yield event
             result = await prefilling
+            if result.held_s:  # its hand-off to the decode starts now (prefill/hand_on.py)
+                self.scheduler.handed_on(rid)
             flow.got_first(result)  # the streamed ones win over a re-send's
             assert flow.first is not None
             flow.result = self._pinned(result, flow.first)

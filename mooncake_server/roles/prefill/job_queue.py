@@ -119,6 +119,10 @@ class JobQueue:
     def __iter__(self) -> Iterator[Waiting]:
         return iter(self._jobs)
 
+    def tokens(self) -> int:
+        """Prompt tokens of the waiting jobs (cached ones counted too: an upper bound)."""
+        return sum(len(t.job.prompt_token_ids) for t in self._jobs if not t.gone())
+
     def push(self, task: Waiting) -> None:
         """A job arrived."""
         self._jobs.append(task)

@@ -33,6 +33,11 @@ class PrefillMetrics:
             "mooncake_prefill_late_started",
             "Jobs started past their start deadline: this instance's own speed still ended them "
             "by their first token's deadline", registry=registry)
+        self.held_handoffs = Histogram(
+            "mooncake_prefill_held_handoff_seconds",
+            "How long answered jobs waited to go on to the decode beside this instance while "
+            "prompts queued behind them ran whole (hand_on.py)", registry=registry,
+            buckets=(0.25, 0.5, 1, 2, 3, 4, 5, 8))
         self.store_errors = Counter("mooncake_prefill_store_errors",
                                     "KV loads / saves the store could not serve (recomputed)",
                                     ["op"], registry=registry)

@@ -46,7 +46,7 @@ from mooncake_server.engine.sequence import Sequence
 from mooncake_server.roles.prefill.cache_report import CacheReporter
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
 from mooncake_server.roles.prefill.first_tokens import first_tokens
-from mooncake_server.roles.prefill.handoff_hold import HandoffHold, decode_beside
+from mooncake_server.roles.prefill.hand_on import Answer, HandOn
 from mooncake_server.roles.prefill.job_queue import (
     JobQueue,
     LateForSLO,
@@ -121,8 +121,7 @@ class PrefillWorker:
         self._pushed = asyncio.Event()  # a job joined the queue
         self._serving: asyncio.Task[None] | None = None
         self.queued = 0
-        self._answered_at = float("-inf")  # monotonic time jobs were last handed on
-        self._handoff = HandoffHold(runner.cores)
+        self._hand_on = HandOn(runner.cores, metrics.held_handoffs)
 
     async def run(self, job: PrefillJob,
                   on_first: Callable[[PrefillFirst], None] | None = None) -> PrefillResult:
@@ -145,10 +144,16 @@ class PrefillWorker:
                 self.runner.cores.set_active(False)
                 # NOTE: the hand-off grace is for jobs already waiting when one is answered; a
                 # prompt that comes later (the next turn of a chat) runs at full speed.
-                self._answered_at = float("-inf")
+                self._hand_on.idle()
 
     async def _serve(self) -> None:
-        """Batches until the queue is empty."""
+        """Batches until the queue is empty; then the held hand-offs go on."""
+        try:
+            await self._serve_queue()
+        finally:
+            self._hand_on.due(None)
+
+    async def _serve_queue(self) -> None:
         while self._queue:
             self._pushed.clear()
             batch = self._take_batch()
@@ -228,7 +233,8 @@ class PrefillWorker:
             if one_pass and pending and all(t.job.pass_tail and not t.passes for t in pending):
                 pending = await self._tail_in_time(pending, held)
             if not (one_pass and pending) or self._held_would_miss(held, pending):
-                await self._answer(held)
+                behind = sum(t.seq.num_pending for t in pending if t.seq is not None)
+                await self._answer(held, behind + self._queue.tokens())
                 held = []
 
     def _held_would_miss(self, held: list[tuple[_Task, list[FirstToken]]],
@@ -270,9 +276,7 @@ class PrefillWorker:
         wakes, the passes after it shrink, and each sizes its thread team anew.
         """
         items: list[tuple[_Task, StepItem]] = []
-        shares = forward_shares([(t.seq.num_pending if t.seq is not None else 0,
-                                  t.job.pass_tail and not t.passes) for t in pending],
-                                self._chunk_tokens())
+        shares = self._pass_shares(pending)
         for task, chunk in zip(pending, shares):
             seq = task.seq
             assert seq is not None  # _prepare gave it one
@@ -288,7 +292,7 @@ class PrefillWorker:
             for stream in streams:
                 stream.on_layer(layer)
 
-        self.metrics.handoff_hold.inc(await self._handoff.wait())
+        self.metrics.handoff_hold.inc(await self._hand_on.hold.wait())
         beside_decode = self._beside_decode()
         logits = await asyncio.get_running_loop().run_in_executor(
             self.executor, self.runner.step, [it for _, it in items],
@@ -309,11 +313,13 @@ class PrefillWorker:
                 done.append((task, first_tokens(task.job, item.seq, logits[row])))
         return done
 
-    async def _answer(self, done: list[tuple[_Task, list[FirstToken]]]) -> None:
-        """Finish the completed jobs, report the cache's changes, then answer their callers."""
+    async def _answer(self, done: list[tuple[_Task, list[FirstToken]]],
+                      behind_tokens: int = 0) -> None:
+        """Finish the completed jobs, report the cache's changes, then answer their callers,
+        or hold the hand-on of those whose decode would cut the `behind_tokens` prompt tokens
+        still queued (hand_on.py)."""
         if not done:
             return
-        self._handoff.answering()
         bt = self.kv.layout.block_tokens
         told = []
         for task, firsts in done:
@@ -334,20 +340,33 @@ class PrefillWorker:
             # Before the results return: the conductor plans the next request with these
             # jobs' blocks already in its view of this instance.
             await self.reporter.flush()
-        handed = 0  # sequences that go on to a decode
+        answers = []
         for (task, _), outcome in zip(done, outcomes):
             if task.done.done():
                 continue
             if isinstance(outcome, PrefillResult):
-                task.done.set_result(outcome)
-                if task.job.sampling.max_tokens > 1:
-                    handed += task.job.sampling.n
+                sampling = task.job.sampling
+                answers.append(Answer(task.done, outcome,
+                                      sampling.n if sampling.max_tokens > 1 else 0,
+                                      task.answer_by))
             elif isinstance(outcome, Exception):
                 task.done.set_exception(outcome)
             else:
                 raise outcome  # cancelled: the worker is shutting down
-        self._answered_at = time.monotonic()
-        self._handoff.answered(handed)
+        self._hand_on.send(answers, behind_tokens,
+                           self.chunks.tokens(self.runner.cores.others_step_s()))
+
+    def _pass_shares(self, pending: list[_Task]) -> list[int]:
+        """The prompt tokens each pending job computes in the next pass (`_chunk_tokens`); held
+        hand-offs due before that pass would end go on first, and it is cut beside them."""
+        sizes = [(t.seq.num_pending if t.seq is not None else 0, t.job.pass_tail and not t.passes)
+                 for t in pending]
+        shares = forward_shares(sizes, self._chunk_tokens())
+        if len(self._hand_on) and self._hand_on.due(self.chunks.rest_s(
+                [(n, t.seq.num_computed) for t, n in zip(pending, shares)
+                 if n and t.seq is not None])):
+            shares = forward_shares(sizes, self._chunk_tokens())
+        return shares
 
     async def _fail_all(self, tasks: list[_Task], exc: BaseException) -> None:
         """Abort the store reservations of unanswered jobs, then fail them with `exc`."""
@@ -457,7 +476,7 @@ class PrefillWorker:
                                  cores.others_step_s())
 
     def _beside_decode(self) -> bool:
-        return decode_beside(self.runner.cores, self._answered_at, time.monotonic())
+        return self._hand_on.beside_decode()
 
     def _chunk_tokens(self) -> int:
         """--prefill-chunk, or while another engine on these cores has work (or is about to

@@ -62,6 +62,9 @@ class Passes(NamedTuple):
     ratio: float
     wait_s: float = 0.0
     prior: bool = False  # cut passes whose speed the instance has not timed yet
+    # Whole because the decode of the burst's earlier requests waits for them (prefill/
+    # hand_on.py): only while they end before those requests must go on.
+    held: bool = False
 
 
 def prefill_compute_s(model: PerfModel, new_tokens: int, cached_tokens: int, *,

@@ -162,6 +162,12 @@ class LoadTracker:
         self._get(decode_id).decode[request_id] = context_tokens
         self._decode_of[request_id] = decode_id
 
+    def handed_on(self, request_id: str) -> None:
+        """The request's hand-off to its decode starts now, not at its first token: the
+        prefill held it (prefill/hand_on.py), which the decode's hand-off time must not learn."""
+        if request_id in self._first_token_at:
+            self._first_token_at[request_id] = self._clock()
+
     def prefill_done(self, request_id: str) -> None:
         """The request's first token arrived: its prefill left the queue."""
         prefill_id = self._prefill_of.pop(request_id, None)

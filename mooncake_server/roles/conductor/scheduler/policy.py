@@ -39,7 +39,12 @@ from typing import NamedTuple
 
 from mooncake_server.api.backend import BackendError, GenerateRequest
 from mooncake_server.api.burst import BURST_WINDOW_S, BurstGate, Order
-from mooncake_server.cost_model.passes import LONG_PASS_SHARE, chunk_fitting, pass_budget_s
+from mooncake_server.cost_model.passes import (
+    HOLD_MARGIN_S,
+    LONG_PASS_SHARE,
+    chunk_fitting,
+    pass_budget_s,
+)
 from mooncake_server.cost_model.perf_model import PerfModel
 from mooncake_server.roles.conductor.registry import InstanceRegistry
 from mooncake_server.roles.conductor.scheduler.bursts import (
@@ -266,7 +271,8 @@ class KVCacheScheduler:
         return DecodeSteps(self.model, self.registry, self.tracker)
 
     def _passes(self, instance_id: str, beat: Heartbeat | None, steps: Steps,
-                prompt_tokens: int, queue_s: float) -> tuple[Passes | None, bool]:
+                prompt_tokens: int, queue_s: float,
+                held: bool = False) -> tuple[Passes | None, bool]:
         """How a prompt placed now on the instance will be computed, by its own account, and
         whether it joins its burst's first full pass.
 
@@ -276,7 +282,9 @@ class KVCacheScheduler:
         waits for a decode step, at least the modelled step of the largest batch, and takes what
         that step leaves of the TBT SLO (cost_model/passes.py). A prompt that starts (after
         `queue_s`) once the work placed before its burst has ended waits only for the steps of
-        its burst's requests placed before it (`steps.own`).
+        its burst's requests placed before it (`steps.own`), or (`held`, with a TTFT SLO)
+        none: the instance holds those requests' hand-off while prompts are queued behind
+        them (prefill/hand_on.py), so its passes run whole.
         """
         split = beat.passes if beat is not None else None
         if split is None:
@@ -286,9 +294,13 @@ class KVCacheScheduler:
         if self._queued_before_burst(instance_id, beat, steps.busy):
             step = steps.busy
             if queue_s >= steps.drain_s and not self._queued_ahead(instance_id, beat):
+                if held and self.ttft_slo_s is not None:
+                    return Passes(split.chunk_tokens, split.ratio, held=True), False
                 step = steps.own
         elif not self._burst.fits_first_pass(instance_id, prompt_tokens,
                                              self._first_pass_cap(split)):
+            if held and self.ttft_slo_s is not None:
+                return Passes(split.chunk_tokens, split.ratio, held=True), False
             step = max(steps.busy, steps.burst)
         else:
             return Passes(split.chunk_tokens, split.ratio), True
@@ -334,15 +346,22 @@ class KVCacheScheduler:
         beat = self.registry.load(info.instance_id)
         iid = info.instance_id
         queue_s = self.tracker.prefill_queue_s(iid, beat)
-        for _ in range(2):
-            passes, first = self._passes(iid, beat, steps, prompt_tokens, queue_s)
+
+        def estimate(held: bool) -> tuple[Passes | None, bool, int, PrefillEstimate]:
+            passes, first = self._passes(iid, beat, steps, prompt_tokens, queue_s, held)
             chunk = passes.chunk_tokens if passes is not None else 0
-            est = estimate_prefill(self.model, iid, prompt_tokens, local_tokens=local,
-                                   remote_tokens=remote, queue_s=queue_s,
-                                   calibration=self.tracker.calibration(iid), passes=passes,
-                                   joins_pass=self._burst.shares_forward(
-                                       iid, prompt_tokens, chunk) if first else
-                                   self._burst.joins_batch(iid, prompt_tokens, chunk))
+            return passes, first, chunk, estimate_prefill(
+                self.model, iid, prompt_tokens, local_tokens=local, remote_tokens=remote,
+                queue_s=queue_s, calibration=self.tracker.calibration(iid), passes=passes,
+                joins_pass=self._burst.shares_forward(iid, prompt_tokens, chunk) if first
+                else self._burst.joins_batch(iid, prompt_tokens, chunk))
+
+        for _ in range(2):
+            passes, first, chunk, est = estimate(held=True)
+            if passes is not None and passes.held and self.ttft_slo_s is not None \
+                    and est.ttft_s + waited_s > self.ttft_slo_s - HOLD_MARGIN_S:
+                # Past it the held requests go on and its last passes run cut beside them.
+                passes, first, chunk, est = estimate(held=False)
             if not (first and self.ttft_slo_s is not None
                     and self._burst.past_one_chunk(iid, prompt_tokens, chunk)):
                 break
@@ -437,6 +456,11 @@ class KVCacheScheduler:
         """The request's prefill finished."""
         self.outcomes.first_token(request_id)
         self.tracker.prefill_done(request_id)
+
+    def handed_on(self, request_id: str) -> None:
+        """The request's prefill, which held its hand-off while prompts behind it ran, sent
+        it on to its decode now."""
+        self.tracker.handed_on(request_id)
 
     def token(self, request_id: str) -> None:
         """The request decoded one more token (its gap calibrates the decode estimates)."""
