@@ -38,7 +38,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.engine.core_budget import machine_cores
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.logprobs import score_prompt_chunks
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
@@ -59,7 +58,7 @@ from mooncake_server.roles.prefill.job_queue import (
 from mooncake_server.roles.prefill.kv_stream import LayerStream
 from mooncake_server.roles.prefill.metrics import PrefillMetrics
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
-from mooncake_server.roles.prefill.store_io import load_prefix, note_refused, save_blocks
+from mooncake_server.roles.prefill.store_io import finish_writes, load_prefix, streams_layers
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.store_client.kv_link import KVStoreLink
 from mooncake_server.wire.instances import PassSplit
@@ -421,7 +420,7 @@ class PrefillWorker:
         # Blocks fetched from the store are there already; local hits may have left it.
         task.write = [i for i in range(len(keys)) if not len(hit) <= i < task.reused]
         task.keys = [keys[i] for i in task.write]
-        if self._streams_layers():
+        if streams_layers(self.config):
             try:
                 task.stream = await LayerStream.open(
                     self.link, task.keys, [seq.block_ids[i] for i in task.write],
@@ -436,7 +435,10 @@ class PrefillWorker:
         n = len(seq.token_ids)
         try:
             checksums = await self.link.checksums(seq.block_ids)
-            await self._finish_writes(task, checksums)
+            stream, task.stream = task.stream, None
+            await finish_writes(self.link, self.metrics, stream, task.keys,
+                                [seq.block_ids[i] for i in task.write],
+                                [checksums[i] for i in task.write])
             self.cache.insert(task.job.block_keys[:n // bt], seq.block_ids[:n // bt])
         finally:
             self.cache.release(seq.block_ids)
@@ -454,20 +456,6 @@ class PrefillWorker:
         return PrefillResult(**dict(first), request_id=task.job.request_id,
                              tail_key=task.tail_key, block_checksums=checksums,
                              prefill_seconds=elapsed, local_cached_tokens=task.hit * bt)
-
-    def _streams_layers(self) -> bool:
-        """--kv-write; `auto` streams layers only where copying does not slow the forward.
-
-        Over TCP or shared memory the engine's threads copy each layer on the CPU; when the
-        forward's team already fills every core they preempt it, and every OpenMP region
-        waits for its descheduled thread: measured on 2 cores, 1k-token TTFT 0.39-0.41 s
-        writing after the forward against 0.49-0.57 s streaming layers.
-        """
-        mode = self.config.kv_write
-        if mode != "auto":
-            return mode == "layer"
-        threads = self.config.torch_threads
-        return self.config.transport == "rdma" or bool(threads and threads < machine_cores())
 
     def pass_split(self) -> PassSplit | None:
         """How a prompt is computed here (heartbeats; None without --tbt-slo)."""
@@ -490,20 +478,3 @@ class PrefillWorker:
             return min(self.config.prefill_chunk_tokens,
                        self.chunks.tokens(self.runner.cores.others_step_s()))
         return self.config.prefill_chunk_tokens
-
-    async def _finish_writes(self, task: _Task, checksums: list[int]) -> None:
-        """put_end of the streamed blocks, or (no stream) write them whole now."""
-        assert task.seq is not None
-        stream, task.stream = task.stream, None
-        sums = [checksums[i] for i in task.write]
-        if stream is not None:
-            try:
-                stored = await stream.finish(dict(zip(task.keys, sums)))
-                note_refused(self.metrics, [stored[k] for k in task.keys])
-                return
-            except StoreError as exc:
-                log.warning("streaming %d KV blocks failed, writing them whole: %s",
-                            len(task.keys), exc)
-                self.metrics.store_errors.labels("stream").inc()
-        await save_blocks(self.link, self.metrics, task.keys,
-                          [task.seq.block_ids[i] for i in task.write], sums)
