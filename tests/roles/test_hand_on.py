@@ -73,7 +73,8 @@ class WalkingWorker(PrefillWorker):
         self.reporter = None
         self._queue = JobQueue()
         self._pushed = asyncio.Event()
-        self._hand_on = HandOn(cores, self.metrics.held_handoffs, hold_s=0.0)
+        self.removed: list[str] = []  # store keys dropped
+        self._hand_on = HandOn(cores, self.metrics.held_handoffs, self.remove, hold_s=0.0)
         self.events: list[tuple[str, ...]] = []
 
     async def _prepare(self, task: Any) -> None:
@@ -91,9 +92,13 @@ class WalkingWorker(PrefillWorker):
                 done.append((task, [FirstToken(token_id=7)]))
         return done
 
+    async def remove(self, keys: list[str]) -> None:
+        self.removed += keys
+
     async def _finish(self, task: Any, first: Any) -> PrefillResult:
         return PrefillResult(first_token=first.first_token, request_id=task.job.request_id,
-                             tail_key=None, block_checksums=[], prefill_seconds=0.0)
+                             tail_key=f"tail/{task.job.request_id}", block_checksums=[],
+                             prefill_seconds=0.0)
 
 
 def job(rid: str, tokens: int, due_s: float | None = 5.0, max_tokens: int = 16) -> PrefillJob:
@@ -101,16 +106,22 @@ def job(rid: str, tokens: int, due_s: float | None = 5.0, max_tokens: int = 16) 
                       sampling=SamplingParams(max_tokens=max_tokens), answer_within_s=due_s)
 
 
-async def serve(worker: WalkingWorker, jobs: list[PrefillJob]) -> dict[str, PrefillResult]:
-    """Queue the jobs, serve them; each job's first token and its result are logged."""
-    tasks = []
+async def serve(worker: WalkingWorker, jobs: list[PrefillJob],
+                gone: tuple[str, str] | None = None) -> dict[str, PrefillResult]:
+    """Queue the jobs, serve them; each job's first token and its result are logged. With
+    `gone` (a, b), the caller of job a goes away as job b's first token comes."""
+    tasks = {}
     for j in jobs:
-        task = _Task(j, Told(worker.events, j.request_id),
-                     on_first=lambda first, rid=j.request_id: worker.events.append(("first", rid)))
-        worker._queue.push(task)
-        tasks.append(task)
+        def first(_: Any, rid: str = j.request_id) -> None:
+            worker.events.append(("first", rid))
+            if gone is not None and rid == gone[1]:
+                tasks[gone[0]].done.cancel()
+
+        tasks[j.request_id] = _Task(j, Told(worker.events, j.request_id), on_first=first)
+        worker._queue.push(tasks[j.request_id])
     await worker._serve()
-    return {t.job.request_id: t.done.result() for t in tasks}
+    await asyncio.sleep(0)  # the store removals it started
+    return {rid: t.done.result() for rid, t in tasks.items() if not t.done.cancelled()}
 
 
 async def test_a_short_prompts_hand_off_waits_while_a_long_one_behind_it_runs_whole() -> None:
@@ -134,6 +145,17 @@ async def test_a_held_hand_off_goes_on_before_a_pass_that_would_end_past_its_tim
     await serve(worker, [job("a", 8, due_s=HOLD_MARGIN_S + HOLD_MIN_S + 0.75), job("b", 200)])
     assert worker.events[:4] == [("forward", "8"), ("first", "a"), ("on to the decode", "a"),
                                  ("forward", str(CUT))]
+
+
+@pytest.mark.parametrize("when", ["a", "b"])
+async def test_a_job_whose_caller_went_away_leaves_no_tail_in_the_store(when: str) -> None:
+    """The client of request a disconnects as its first token comes, or while its hand-off is
+    held (at b's first token): no decode reads its prompt's partial last block and the
+    conductor never learns the block's key, so the prefill drops it."""
+    worker = WalkingWorker(0.001, Cores())
+    results = await serve(worker, [job("a", 8), job("b", 200)], gone=("a", when))
+    assert list(results) == ["b"]
+    assert worker.removed == ["tail/a"]
 
 
 @pytest.mark.parametrize("case", ["no deadline", "deadline too near", "one token",

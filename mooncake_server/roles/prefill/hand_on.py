@@ -19,8 +19,9 @@ job's time hands it on before it starts, so that pass is cut beside the decode a
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -33,7 +34,10 @@ from mooncake_server.roles.prefill.handoff_hold import (
     HandoffHold,
     decode_beside,
 )
+from mooncake_server.store_client.client import StoreError
 from mooncake_server.wire.jobs import PrefillResult
+
+log = logging.getLogger(__name__)
 
 # Shorter holds save less than the hand-off they delay.
 HOLD_MIN_S = 0.5
@@ -100,9 +104,14 @@ class HandOn:
     """Answers computed jobs' callers: at once, or held while prompts behind them run whole; and
     what the prefill's passes learn of the decode beside it from that."""
 
-    def __init__(self, cores: HandoffBoard, held_seconds: Histogram, *,
+    def __init__(self, cores: HandoffBoard, held_seconds: Histogram,
+                 remove: Callable[[list[str]], Awaitable[None]], *,
                  hold_s: float = HANDOFF_HOLD_S) -> None:
         self.cores = cores
+        # Store keys of a job whose caller went away before its result: no decode will read its
+        # tail block, and no conductor knows to drop it (it never got the result).
+        self._remove = remove
+        self._removing: set[asyncio.Task[None]] = set()
         self.hold = HandoffHold(cores, hold_s)  # the next pass waits for the decode to start
         self._held: HandOffs[Answer] = HandOffs()
         self._held_seconds = held_seconds
@@ -117,7 +126,8 @@ class HandOn:
         going = []
         for answer in answers:
             until = (self._held.hold_until(answer.answer_by, behind_tokens, cut_tokens)
-                     if answer.sequences and self.cores.others_present() else None)
+                     if answer.sequences and self.cores.others_present()
+                     and not answer.done.done() else None)
             if until is None:
                 going.append(answer)
             else:
@@ -151,6 +161,16 @@ class HandOn:
             if not answer.done.done():
                 answer.done.set_result(answer.result)
                 handed += answer.sequences
+            elif answer.result.tail_key is not None:
+                task = asyncio.ensure_future(self._drop_tail(answer.result.tail_key))
+                self._removing.add(task)
+                task.add_done_callback(self._removing.discard)
         if handed:
             self._answered_at = time.monotonic()
         self.hold.answered(handed)
+
+    async def _drop_tail(self, key: str) -> None:
+        try:
+            await self._remove([key])
+        except StoreError as exc:  # it ages out of the store like any unpinned block
+            log.warning("dropping %s, whose caller went away: %s", key, exc)

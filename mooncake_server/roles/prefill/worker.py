@@ -120,7 +120,7 @@ class PrefillWorker:
         self._pushed = asyncio.Event()  # a job joined the queue
         self._serving: asyncio.Task[None] | None = None
         self.queued = 0
-        self._hand_on = HandOn(runner.cores, metrics.held_handoffs)
+        self._hand_on = HandOn(runner.cores, metrics.held_handoffs, link.remove)
 
     async def run(self, job: PrefillJob,
                   on_first: Callable[[PrefillFirst], None] | None = None) -> PrefillResult:
@@ -341,13 +341,13 @@ class PrefillWorker:
             await self.reporter.flush()
         answers = []
         for (task, _), outcome in zip(done, outcomes):
-            if task.done.done():
-                continue
-            if isinstance(outcome, PrefillResult):
+            if isinstance(outcome, PrefillResult):  # its caller may be gone: hand_on.py
                 sampling = task.job.sampling
                 answers.append(Answer(task.done, outcome,
                                       sampling.n if sampling.max_tokens > 1 else 0,
                                       task.answer_by))
+            elif task.done.done():
+                continue
             elif isinstance(outcome, Exception):
                 task.done.set_exception(outcome)
             else:

@@ -292,18 +292,15 @@ class KVCacheScheduler:
         if not split.shared:
             return Passes(split.chunk_tokens, split.ratio), False
         if self._queued_before_burst(instance_id, beat, steps.busy):
-            step = steps.busy
-            if queue_s >= steps.drain_s and not self._queued_ahead(instance_id, beat):
-                if held and self.ttft_slo_s is not None:
-                    return Passes(split.chunk_tokens, split.ratio, held=True), False
-                step = steps.own
+            own_only = queue_s >= steps.drain_s and not self._queued_ahead(instance_id, beat)
+            step = steps.own if own_only else steps.busy
         elif not self._burst.fits_first_pass(instance_id, prompt_tokens,
                                              self._first_pass_cap(split)):
-            if held and self.ttft_slo_s is not None:
-                return Passes(split.chunk_tokens, split.ratio, held=True), False
-            step = max(steps.busy, steps.burst)
+            own_only, step = True, max(steps.busy, steps.burst)
         else:
             return Passes(split.chunk_tokens, split.ratio), True
+        if own_only and held and self.ttft_slo_s is not None:
+            return Passes(split.chunk_tokens, split.ratio, held=True), False
         chunk = split.cut_tokens
         if self.tbt_slo_s is not None:
             chunk = chunk_fitting(self.model, split.cut_ratio,
