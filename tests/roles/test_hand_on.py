@@ -27,17 +27,16 @@ FULL, CUT = 64, 8  # prompt tokens of a pass alone, and of one beside a decode w
 
 
 class Cores:
-    """The core board: a decode process beside this prefill, idle unless told otherwise."""
+    """The core board: a decode process beside this prefill (or none), idle."""
 
     def __init__(self, present: int = 1) -> None:
         self.present = present
-        self.active = 0
 
     def others_present(self) -> int:
         return self.present
 
     def others_active(self) -> int:
-        return self.active
+        return 0
 
     def others_handed_in(self) -> int:
         return 0

@@ -155,6 +155,8 @@ class HandOn:
         self._answered_at = float("-inf")
 
     def _send_now(self, going: list[Answer]) -> None:
+        if not going:  # the queue ran with nothing held: no hand-off for the next pass to wait
+            return
         self.hold.answering()
         handed = 0  # sequences that go on to a decode
         for answer in going:
