@@ -10,12 +10,14 @@ it; a process that just had a turn lets a waiting one go first, so a prefill and
 alternate pass by pass. The prefill keeps its passes short (--decode-chunk tokens) while a
 decode has work, which bounds the decode's token gap to about two passes.
 
-The board is a file of fixed slots (pid, active, waiting, handed-in sequences started, last
-pass's compute time) mapped by every process; the turn is an flock on it (the kernel drops it
-with a SIGKILLed holder), and a slot whose pid is gone counts as idle. A decode counts there the sequences prefilled elsewhere
-that it starts, so the prefill beside it can hold its next pass for them
-(roles/prefill/handoff_hold.py), and every process posts its last pass's time, which sizes the
-passes of a prefill beside a decode (cost_model/passes.py).
+The board is a file of fixed slots (pid, active or loading, waiting, handed-in sequences
+started, last pass's compute time) mapped by every process; the turn is an flock on it (the
+kernel drops it with a SIGKILLed holder), and a slot whose pid is gone counts as idle. A decode
+counts there the sequences prefilled elsewhere that it starts, so the prefill beside it can hold
+its next pass for them (roles/prefill/handoff_hold.py), and every process posts its last pass's
+time, which sizes the passes of a prefill beside a decode (cost_model/passes.py). A process
+loading its model says so: that work takes no turn, so the engines beside it time their
+start-up passes only once it is done (instance/engine_role.py, `after_neighbours_load`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ _SLOTS = 64
 _SLOT = struct.Struct("<qqqqq")
 _LAST = struct.Struct("<q")  # after the slots: pid of the last turn's holder
 _BOARD_BYTES = _SLOTS * _SLOT.size + _LAST.size
+# `active` while a process loads its model: outside any turn, on every core it can get.
+_LOADING = 2
 _YIELD_S = 0.0005  # how long a process that just had the turn steps aside for a waiting one
 _LIVENESS_EVERY_S = 1.0
 
@@ -88,6 +92,15 @@ class CoreBudget:
         self._active = int(active)
         self._write_slot()
 
+    def set_loading(self, loading: bool) -> None:
+        """Say whether this process is loading its model, which takes no turn on the cores."""
+        self._active = _LOADING if loading else 0
+        self._write_slot()
+
+    def others_loading(self) -> int:
+        """Engine processes other than this one loading their model now."""
+        return sum(1 for slot in self._other_slots() if slot[1] == _LOADING)
+
     def _write_slot(self) -> None:
         # NOTE: the event loop and the forward thread both write the slot; each write reads the
         # fields under the lock, so the last one written carries every thread's last change.
@@ -120,7 +133,7 @@ class CoreBudget:
 
     def others_active(self) -> int:
         """Engine processes other than this one that have work now."""
-        return self._others(1)
+        return sum(1 for slot in self._other_slots() if slot[1] == 1)
 
     def others_present(self) -> int:
         """Engine processes other than this one on these cores, busy or not."""
@@ -143,7 +156,7 @@ class CoreBudget:
 
     def others_step_s(self) -> float:
         """The longest last pass of the other live engine processes that have work (0.0: none)."""
-        return max((slot[4] for slot in self._other_slots() if slot[1]), default=0) / 1e6
+        return max((slot[4] for slot in self._other_slots() if slot[1] == 1), default=0) / 1e6
 
     def others_waiting(self) -> int:
         """Engine processes other than this one waiting for the turn now."""
@@ -195,6 +208,13 @@ class FixedThreads:
 
     def set_active(self, active: bool) -> None:
         """Nothing to announce."""
+
+    def set_loading(self, loading: bool) -> None:
+        """Nothing to announce."""
+
+    def others_loading(self) -> int:
+        """No board: no other engine is known."""
+        return 0
 
     def others_active(self) -> int:
         """No board: no other engine is known."""

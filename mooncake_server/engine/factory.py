@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mooncake_server.config import ServerConfig
-from mooncake_server.engine.core_budget import core_budget_for
+from mooncake_server.engine.core_budget import CoreBudget, FixedThreads, core_budget_for
 from mooncake_server.engine.cpu import cpu_features, resolve_dtype_name, resolve_quantization
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.model_runner import ModelRunner, load_model, resolve_dtype
@@ -35,6 +35,16 @@ def max_model_len_of(model_config: object, override: int | None) -> int:
 def build_runner(config: ServerConfig, make_buffer: BufferFactory) -> tuple[ModelRunner, ModelInfo]:
     """Load the model and a KV pool of `config.kv_memory_bytes` from `make_buffer(nbytes)`."""
     cores = core_budget_for(config.cpu_share_path, config.cpu_budget, config.torch_threads)
+    cores.set_loading(True)
+    try:
+        return _load(config, make_buffer, cores)
+    finally:
+        cores.set_loading(False)
+
+
+def _load(config: ServerConfig, make_buffer: BufferFactory,
+          cores: CoreBudget | FixedThreads) -> tuple[ModelRunner, ModelInfo]:
+    """`build_runner`'s work, while the board says this process is loading."""
     path = resolve_model(config.model)
     cpu = cpu_features()
     dtype_name = resolve_dtype_name(config.dtype)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 
 from mooncake_server.config import ServerConfig
+from mooncake_server.engine.core_budget import CoreBudget, FixedThreads
 from mooncake_server.engine.factory import ModelInfo, build_runner
 from mooncake_server.engine.forward_thread import forward_thread, no_team_on_this_thread
 from mooncake_server.engine.model_runner import ModelRunner
@@ -16,6 +19,13 @@ from mooncake_server.instance.app import Starting
 from mooncake_server.store_client.kv_link import KVStoreLink
 from mooncake_server.transfer import TransferEngine
 from mooncake_server.wire.auth import secret_headers
+
+log = logging.getLogger(__name__)
+
+# NOTE: the longest an engine waits for the others on its cores to load before timing its
+# start-up passes (two engines loading side by side took 25-30 s on the 2-core machine).
+NEIGHBOUR_LOAD_WAIT_S = 120.0
+_POLL_S = 0.05
 
 
 def instance_id(config: ServerConfig) -> str:
@@ -80,3 +90,27 @@ async def start_engine(starting: Starting, name: str) -> EngineParts:
     link = KVStoreLink(runner.kv, engine, http, config.cluster_secret, master)
     stack.push_async_callback(link.aclose)
     return EngineParts(engine, executor, runner, info, http, link)
+
+
+async def after_neighbours_load(cores: CoreBudget | FixedThreads,
+                                timeout_s: float = NEIGHBOUR_LOAD_WAIT_S) -> float:
+    """Wait until no other engine on these cores is loading its model (at most `timeout_s`);
+    the seconds waited.
+
+    An engine times passes at start-up (a decode's quiet step, a prefill's long pass) that seed
+    what the conductor predicts until real passes are timed. A neighbour loading its model
+    works outside the turns on the cores: a decode's quiet step timed while the prefill beside
+    it loaded read 383 ms, 10.6x the cost model's, and the conductor, estimating every request's
+    TBT at 423-563 ms against a 200 ms SLO, refused all of them on an idle cluster; refused,
+    none ran to time a faster step.
+    """
+    start = time.monotonic()
+    while cores.others_loading():
+        if time.monotonic() - start >= timeout_s:
+            log.warning("timing start-up passes while %d engine(s) beside this one still load "
+                        "after %.0f s: the times read may be slow", cores.others_loading(),
+                        timeout_s)
+            break
+        await asyncio.sleep(_POLL_S)
+    return time.monotonic() - start
+

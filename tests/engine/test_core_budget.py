@@ -20,6 +20,7 @@ from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
 from mooncake_server.engine.model_runner import ModelRunner
 from mooncake_server.engine.sequence import Sequence
+from mooncake_server.instance.engine_role import after_neighbours_load
 from mooncake_server.wire.jobs import SamplingParams
 
 
@@ -37,7 +38,9 @@ class _Neighbour:
                 "    elif cmd == 'waiting': print(b.others_waiting(), flush=True)\n"
                 "    elif cmd == 'handed': b.note_handed_in(2); print('ok', flush=True)\n"
                 "    elif cmd == 'step': b.note_step(0.075); print('ok', flush=True)\n"
-                "    elif cmd == 'idle': b.set_active(False); print('ok', flush=True)\n")
+                "    elif cmd == 'idle': b.set_active(False); print('ok', flush=True)\n"
+                "    elif cmd == 'loading': b.set_loading(True); print('ok', flush=True)\n"
+                "    elif cmd == 'loaded': b.set_loading(False); print('ok', flush=True)\n")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         assert self.read() == "ok"
@@ -148,6 +151,24 @@ def test_a_busy_neighbours_last_pass_time_is_on_the_board(pair) -> None:
     other.send("idle")
     assert other.read() == "ok"
     assert me.others_step_s() == 0.0
+
+
+async def test_start_up_passes_are_timed_once_the_neighbours_have_loaded(pair) -> None:
+    """A neighbour loading its model works outside the turns: a decode's quiet step timed then
+    read 10.6x its cost and an idle cluster refused every request. Loading is not work (a
+    prefill does not cut its passes for it); the timing waits for it to end, and no longer."""
+    me, other = pair
+    assert await other.ask("loading") == "ok"
+    assert me.others_loading() == 1 and me.others_active() == 0
+    waiting = asyncio.create_task(after_neighbours_load(me))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    assert await other.ask("loaded") == "ok"
+    assert await asyncio.wait_for(waiting, 5.0) >= 0.2
+    assert me.others_loading() == 0
+    # A neighbour that never ends loading holds the timing up only as long as it is told.
+    assert await other.ask("loading") == "ok"
+    assert 0.1 <= await after_neighbours_load(me, timeout_s=0.1) < 5.0
 
 
 def test_pinned_threads_ignore_the_board(tmp_path) -> None:

@@ -34,7 +34,11 @@ from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
 from mooncake_server.engine.sequence import SeqStatus, Sequence
 from mooncake_server.instance.app import Starting, instance_app
-from mooncake_server.instance.engine_role import instance_id, start_engine
+from mooncake_server.instance.engine_role import (
+    after_neighbours_load,
+    instance_id,
+    start_engine,
+)
 from mooncake_server.roles.decode.admission import AdmissionRefused, DecodeAdmission
 from mooncake_server.roles.decode.writeback import BlockWriteBack, WriteBackLoop, WriteBackMetrics
 from mooncake_server.store_client.client import StoreError
@@ -227,6 +231,7 @@ def build_app(config: ServerConfig) -> FastAPI:
                                 recomputed)
         service.admission = _admission(config, runner.kv.num_blocks, parts.info.max_model_len)
         if service.admission.model is not None:
+            await after_neighbours_load(runner.cores)
             quiet = await asyncio.get_running_loop().run_in_executor(
                 parts.executor, runner.quiet_step_s, _QUIET_PASSES)
             service.admission.seed_quiet_step(1, _QUIET_PASSES, quiet)

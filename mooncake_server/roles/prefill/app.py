@@ -23,7 +23,11 @@ from mooncake_server.cost_model.loading import load_perf_model
 from mooncake_server.cost_model.passes import seed_pass_tokens
 from mooncake_server.engine.kv_cache import OutOfBlocks
 from mooncake_server.instance.app import Starting, instance_app
-from mooncake_server.instance.engine_role import instance_id, start_engine
+from mooncake_server.instance.engine_role import (
+    after_neighbours_load,
+    instance_id,
+    start_engine,
+)
 from mooncake_server.roles.prefill.cache_report import CacheReporter
 from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
 from mooncake_server.roles.prefill.job_queue import LateForSLO
@@ -67,6 +71,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             # Long enough that a burst's first pass may run past one chunk (passes.py).
             tokens = seed_pass_tokens(config.prefill_chunk_tokens, parts.info.max_model_len,
                                       kv.num_blocks * kv.layout.block_tokens, long=True)
+            await after_neighbours_load(parts.runner.cores)
             seconds = await asyncio.get_running_loop().run_in_executor(
                 parts.executor, parts.runner.prompt_pass_s, tokens)
             chunks.seed(tokens, seconds)
