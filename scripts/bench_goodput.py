@@ -126,13 +126,15 @@ def idle_costs(api: bs.Api, prompts: bs.Prompts) -> gb.Costs | None:
                 got = await asyncio.gather(*(bs.send(client, api, prompts.random(32, f"d{rows}-{i}"),
                                                      64) for i in range(rows)))
                 gaps = [b - a for r in got for a, b in itertools.pairwise(r.token_times[2:])]
-                decode.append((rows, statistics.median(gaps)))
+                if gaps:  # refused or failed, a batch has no gaps: the bound is not drawn
+                    decode.append((rows, statistics.median(gaps)))
             return prefill, decode
     prefill, decode = asyncio.run(measure())
     # A prompt refused or failed has no time (inf): fit the ones that answered.
     prefill = [(n, t) for n, t in prefill if math.isfinite(t)]
-    if len(prefill) < 2:
-        print(f"  no bound: the idle server answered {len(prefill)} of its prompts", flush=True)
+    if len(prefill) < 2 or len(decode) < 2:
+        print(f"  no bound: the idle server answered {len(prefill)} of its prompts and streamed "
+              f"{len(decode)} of its decode batches", flush=True)
         return None
     return gb.Costs(*gb.fit_prefill(prefill), *gb.fit_decode(decode))
 
