@@ -44,15 +44,6 @@ LONG_PASS_SHARE = 0.75
 # the decode job, its KV load and a step, after the cut pass that may hold the cores (tens of
 # milliseconds each on the 2-core machine); the TBT SLO the second token also has is margin.
 HOLD_MARGIN_S = 0.25
-# NOTE: a burst's first pass (its tail aside) runs in forwards of at most this share of a chunk.
-# Its jobs are answered when the pass ends, unless the forwards so far say the rest would make
-# them late (roles/prefill/job_queue.py, `first_pass_late`); a pass of one forward gives the
-# prefill no point to judge that. On a shared host one forward now and then runs about twice
-# as long as the same server's forwards minutes before (goodput replays on the 2-core AMD
-# machine: 1,692 tokens in 5.61 s, 1,934 in 5.98 s against 2.9 s for 1,569), and every job of
-# such a pass missed its 5 s TTFT SLO together. Split, the cost is one more forward's fixed
-# cost (tens of milliseconds) on passes past the share.
-FIRST_FORWARD_SHARE = 0.5
 
 
 def seed_pass_tokens(chunk_tokens: int, max_model_len: int, kv_tokens: int, *,
@@ -63,11 +54,6 @@ def seed_pass_tokens(chunk_tokens: int, max_model_len: int, kv_tokens: int, *,
     wanted = max(SEED_PASS_TOKENS, math.ceil(LONG_PASS_SHARE * chunk_tokens)) if long \
         else SEED_PASS_TOKENS
     return max(1, min(wanted, chunk_tokens, max_model_len // 2, kv_tokens // 2))
-
-
-def first_pass_forward(chunk_tokens: int) -> int:
-    """Prompt tokens one forward of a burst's first pass computes, its tail's aside."""
-    return max(1, int(chunk_tokens * FIRST_FORWARD_SHARE))
 
 
 def pass_budget_s(tbt_slo_s: float, decode_step_s: float) -> float:

@@ -1,6 +1,6 @@
-"""The prefill worker's batch loop: a burst's first pass that spans several forwards (with
-deadlines, forwards of half a chunk) is answered once, when its last forward ends (as the
-conductor predicted it); any other batch answers each job as soon as its prompt is computed.
+"""The prefill worker's batch loop: a burst's first pass that spans several forwards is answered
+once, when its last forward ends (as the conductor predicted it); any other batch answers each
+job as soon as its prompt is computed.
 
 The loop is the real `PrefillWorker._run_batch`; its forward (`_step`, here a chunked walk over
 the prompts' token counts), store work (`_prepare`) and answers (`_answer`) are recorded in
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from mooncake_server.roles.prefill.job_queue import JobQueue, LateForSLO
+from mooncake_server.roles.prefill.job_queue import JobQueue, LateForSLO, forward_shares
 from mooncake_server.roles.prefill.worker import PrefillWorker, _Task
 from mooncake_server.wire.jobs import PrefillJob, SamplingParams
 
@@ -34,19 +34,15 @@ class RecordedWorker(PrefillWorker):
         self.released: list[int] = []  # KV blocks given back by jobs that failed
         self.cache = SimpleNamespace(release=self.released.extend)
         self._queue = JobQueue()
-        self.config = SimpleNamespace(prefill_chunk_tokens=CHUNK)
-        self._hand_on: list[Any] = []  # no hand-off held
 
     async def _prepare(self, task: Any) -> None:
         task.seq = SimpleNamespace(num_pending=len(task.job.prompt_token_ids), num_computed=0,
                                    block_ids=[len(task.job.prompt_token_ids)])
 
-    def _chunk_tokens(self) -> int:
-        return CHUNK
-
     async def _step(self, pending: list[Any]) -> list[tuple[Any, list[Any]]]:
         done, computed = [], []
-        shares = self._pass_shares(pending)  # the real sizing: a first pass's split included
+        shares = forward_shares([(t.seq.num_pending, t.job.pass_tail and not t.passes)
+                                 for t in pending], CHUNK)
         for task, n in zip(pending, shares):
             if not n:
                 continue
@@ -93,47 +89,36 @@ async def test_a_batch_of_no_first_pass_answers_each_job_when_it_is_computed() -
                       ("forward", ["c"]), ("answer", ["c"])]
 
 
-async def test_a_first_pass_with_deadlines_runs_in_forwards_of_half_a_chunk() -> None:
-    """With first-token deadlines the pass's forwards carry half a chunk while two or more of
-    its jobs are left, so the ones computed first can be judged before the rest runs (one
-    forward that stalls would sink every job of the pass); the last job left runs whole."""
-    jobs = [job("a", 10, 0, 3, due_s=5.0), job("b", 14, 1, 3, due_s=5.0),
-            job("c", 20, 2, 3, due_s=5.0)]
-    assert await run(jobs, rest_s=1.0) == [
-        ("forward", ["a", "b"]), ("forward", ["b", "c"]), ("forward", ["c"]),
-        ("answer", ["a", "b", "c"])]
-
-
 async def test_a_first_pass_running_late_answers_the_jobs_it_has_computed() -> None:
     """Held for the rest of a pass that would end past their first token's deadline, a and b
-    would be late with c; answered after the forward that computed them, only c may be."""
+    would be late with c; answered after the first forward, only c may be."""
     late = [job("a", 10, 0, 3, due_s=5.0), job("b", 14, 1, 3, due_s=5.0),
             job("c", 20, 2, 3, due_s=5.0)]
     assert await run(late, rest_s=30.0) == [
-        ("forward", ["a", "b"]), ("answer", ["a"]), ("forward", ["b", "c"]),
-        ("answer", ["b"]), ("forward", ["c"]), ("answer", ["c"])]
+        ("forward", ["a", "b", "c"]), ("answer", ["a", "b"]), ("forward", ["c"]),
+        ("answer", ["c"])]
     # A rest that ends in time, or one not timed yet, holds them for the pass as before.
     for rest in (1.0, None):
-        assert (await run(late, rest_s=rest))[-1] == ("answer", ["a", "b", "c"])
+        assert await run(late, rest_s=rest) == [
+            ("forward", ["a", "b", "c"]), ("forward", ["c"]), ("answer", ["a", "b", "c"])]
 
 
 async def test_a_first_pass_tail_runs_in_a_forward_of_its_own_and_only_if_in_time() -> None:
-    """c, the pass's tail, let in past its usual share of the SLO: a and b run without it
-    (in forwards of half the 32-token chunk), then c runs alone, a whole chunk, and all three
-    answer at the end. If the pass ran slow (c would end past its deadline at the speed it
-    ran), c is turned away with 429 before any work, its KV blocks given back, and a and b
-    answered at once."""
+    """c, the pass's tail, let in past its usual share of the SLO: a and b fill the first
+    forward without it (16 + 8 of 32 tokens), then c runs alone, and all three answer at the
+    end. If the pass ran slow (c would end past its deadline at the speed it ran), c is turned
+    away with 429 before any work, its KV blocks given back, and a and b answered at once."""
     jobs = [job("a", 16, 0, 3, due_s=5.0), job("b", 8, 1, 3, due_s=5.0),
             job("c", 20, 2, 3, due_s=5.0, tail=True)]
     in_time = await run(jobs, rest_s=1.0)
-    assert in_time == [("forward", ["a"]), ("forward", ["b"]), ("forward", ["c"]),
+    assert in_time == [("forward", ["a", "b"]), ("forward", ["c"]),
                        ("answer", ["a", "b", "c"])]
     # 4.6 s would end in time, but not 10% slower than the pass ran: not started.
     slow = RecordedWorker(rest_s=4.6)
     loop = asyncio.get_running_loop()
     tasks = [_Task(j, loop.create_future()) for j in jobs]
     await slow._run_batch(tasks)
-    assert slow.events == [("forward", ["a"]), ("forward", ["b"]), ("answer", ["a", "b"])]
+    assert slow.events == [("forward", ["a", "b"]), ("answer", ["a", "b"])]
     with pytest.raises(LateForSLO, match="not started"):
         tasks[2].done.result()
     assert slow.released == [20] and tasks[2].seq.block_ids == []

@@ -13,13 +13,12 @@ with it. Unless the instance, at the speed its passes ran lately, still finds it
 (`JobQueue.take`'s `in_time`): the conductor set that start from its estimate at placing, which
 for passes beside a decode not timed yet is a prior.
 A first pass is taken whole, even past the chunk (the conductor sizes it by the TTFT SLO): the
-worker runs it as forwards back to back (with deadlines, of half a chunk: `forward_tokens`) and
-answers its jobs when the last one ends, as the conductor predicted; answered at the first
-forward's end, the decode of those requests would have cut the rest of the pass into short passes
-beside it. Unless holding them would make them late: a pass running past its jobs' first-token
-deadline answers the ones it has computed (`first_pass_late`). A pass's tail
-(`PrefillJob.pass_tail`) runs in a forward of its own after the others', and only if it would
-still end in time (`tail_late`).
+worker runs it as forwards of a chunk back to back and answers its jobs when the last one ends,
+as the conductor predicted; answered at the first forward's end, the decode of those requests
+would have cut the rest of the pass into short passes beside it. Unless holding them would make
+them late: a pass running past its jobs' first-token deadline answers the ones it has computed
+(`first_pass_late`). A pass's tail (`PrefillJob.pass_tail`) runs in a forward of its own after
+the others', and only if it would still end in time (`tail_late`).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from mooncake_server.cost_model.passes import first_pass_forward
 from mooncake_server.wire.jobs import PrefillJob
 
 # The longest a job waits for the jobs ranked before it in its burst (a refused or cancelled
@@ -57,19 +55,6 @@ def first_pass_late(dues: Sequence[float | None], rest_s: float | None, now: flo
     if due is None or rest_s is None:
         return 0.0
     return max(0.0, now + rest_s - due)
-
-
-def forward_tokens(pending: Sequence[PrefillJob], chunk_tokens: int, prefill_chunk: int) -> int:
-    """The next forward's prompt tokens: `chunk_tokens`, or while two or more jobs of one first
-    pass with deadlines are left (its tail aside) at most `first_pass_forward` of the
-    `prefill_chunk`, so that the jobs computed first can be judged, and answered, before the
-    rest of the pass runs (`first_pass_late`)."""
-    head = pending[0] if pending else None
-    if (head is not None and len(pending) > 1 and not head.pass_tail
-            and head.answer_within_s is not None
-            and all(same_first_pass(head, job) for job in pending)):
-        return min(chunk_tokens, first_pass_forward(prefill_chunk))
-    return chunk_tokens
 
 
 def forward_shares(pending: Sequence[tuple[int, bool]], chunk_tokens: int) -> list[int]:

@@ -15,9 +15,9 @@ prompts). Served one after another, sixteen 128-token prompts arriving together 
 other's whole job (forward, checksums, store writes, cache report) in turn. A prompt longer than
 a chunk runs alone, chunk by chunk; passes are sized anew each time, so they shrink to
 --decode-chunk while a decode on the same cores has work. A burst's first pass is taken whole
-(the conductor sized it by the TTFT SLO), run as forwards back to back (with deadlines, of half
-a chunk, its tail aside) and answered when the last ends, or sooner if holding its computed jobs
-would make them miss their first token's deadline (job_queue.py). Each layer's new K/V go to the store as soon as the layer is computed
+(the conductor sized it by the TTFT SLO), run as chunks back to back and answered when the last
+ends, or sooner if holding its computed jobs would make them miss their first token's deadline
+(job_queue.py). Each layer's new K/V go to the store as soon as the layer is computed
 (--kv-write layer; `after` writes whole blocks once the forward is done; `auto` picks).
 
 A job with `sampling.n` > 1 is prefilled once; each choice's first token is sampled from the
@@ -52,7 +52,6 @@ from mooncake_server.roles.prefill.job_queue import (
     Waiting,
     first_pass_late,
     forward_shares,
-    forward_tokens,
     same_first_pass,
     tail_late,
 )
@@ -361,13 +360,11 @@ class PrefillWorker:
         hand-offs due before that pass would end go on first, and it is cut beside them."""
         sizes = [(t.seq.num_pending if t.seq is not None else 0, t.job.pass_tail and not t.passes)
                  for t in pending]
-        jobs = [t.job for t in pending]
-        full = self.config.prefill_chunk_tokens
-        shares = forward_shares(sizes, forward_tokens(jobs, self._chunk_tokens(), full))
+        shares = forward_shares(sizes, self._chunk_tokens())
         if len(self._hand_on) and self._hand_on.due(self.chunks.rest_s(
                 [(n, t.seq.num_computed) for t, n in zip(pending, shares)
                  if n and t.seq is not None])):
-            shares = forward_shares(sizes, forward_tokens(jobs, self._chunk_tokens(), full))
+            shares = forward_shares(sizes, self._chunk_tokens())
         return shares
 
     async def _fail_all(self, tasks: list[_Task], exc: BaseException) -> None:

@@ -43,7 +43,6 @@ from mooncake_server.cost_model.passes import (
     HOLD_MARGIN_S,
     LONG_PASS_SHARE,
     chunk_fitting,
-    first_pass_forward,
     pass_budget_s,
 )
 from mooncake_server.cost_model.perf_model import PerfModel
@@ -348,12 +347,10 @@ class KVCacheScheduler:
         def estimate(held: bool) -> tuple[Passes | None, bool, int, PrefillEstimate]:
             passes, first = self._passes(iid, beat, steps, prompt_tokens, queue_s, held)
             chunk = passes.chunk_tokens if passes is not None else 0
-            # With deadlines the instance splits a first pass into forwards of half a chunk.
-            forward = chunk if self.ttft_slo_s is None else first_pass_forward(chunk)
             return passes, first, chunk, estimate_prefill(
                 self.model, iid, prompt_tokens, local_tokens=local, remote_tokens=remote,
                 queue_s=queue_s, calibration=self.tracker.calibration(iid), passes=passes,
-                joins_pass=self._burst.shares_forward(iid, prompt_tokens, forward) if first
+                joins_pass=self._burst.shares_forward(iid, prompt_tokens, chunk) if first
                 else self._burst.joins_batch(iid, prompt_tokens, chunk))
 
         for _ in range(2):
