@@ -375,7 +375,8 @@ async def test_small_prompts_after_the_first_pass_share_the_pass_they_are_batche
     beside it, and computes them in one pass: the jobs that join pay their tokens, not another
     pass's 10 ms and 50 ms wait. Charged a pass each, eight prompts of 1-6 tokens were
     estimated at 0.12-1.00 s and answered at 0.07-0.34 s, and the 444-token prompt behind
-    them was refused at an estimated 5.38 s."""
+    them was refused at an estimated 5.38 s. And all of a pass's jobs answer when it ends:
+    estimated one after the other, a burst's 1-token prompts read 14x their estimates."""
     s = scheduler(Clock(), ttft_slo=5.0)
     shared_prefill(s)
     for i in range(2):  # an earlier burst decodes: every pass is cut to 100 tokens
@@ -383,8 +384,10 @@ async def test_small_prompts_after_the_first_pass_share_the_pass_they_are_batche
         s.tracker.prefill_done(f"old{i}")
     got = await burst(s, {"a": 1, "b": 2, "c": 3, "d": 50, "e": 100})
     ttfts = [got[r].prefill_estimate.ttft_s for r in "abcde"]  # type: ignore[union-attr]
-    # a: 10 + 1 ms after a 50 ms wait; b, c, d join its pass (56 tokens); e opens the next.
-    assert ttfts == pytest.approx([0.061, 0.063, 0.066, 0.116, 0.116 + 0.11 + 0.05])
+    # a: 10 + 1 ms after a 50 ms wait; b, c, d join its pass (56 tokens), which ends at
+    # 0.116 s for all four; e opens the next.
+    assert ttfts == pytest.approx([0.116] * 4 + [0.116 + 0.11 + 0.05])
+    assert [got[r].batched for r in "abcde"] == [False, True, True, True, False]  # type: ignore[union-attr]
 
 
 async def test_the_wait_for_a_burst_to_gather_counts_in_its_ttft() -> None:

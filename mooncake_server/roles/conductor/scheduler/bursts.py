@@ -14,7 +14,10 @@ instance waits for the ranks before its head, and ranks sent elsewhere never com
 says how many ranks share its first pass (the instance waits for all of them before starting
 it: a pass started with the first arrivals left the rest to later passes, 2 s apart), and
 every request of a first pass is predicted to answer when the pass ends, which it does, and must
-start by the pass's deadline, not its own.
+start by the pass's deadline, not its own. So is every request of a batch after it that one
+forward computes (`Plan.batched`): a burst's eight prompts of 1-534 tokens, estimated one after
+the other at 0.16-1.55 s, were computed in one 1,567-token forward and all answered at 2.3 s
+(TTFT measured / estimated p90 12.6 in a goodput replay).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ class BurstState:
     context: dict[str, int] = field(default_factory=dict)  # decode -> its prompt tokens there
     # prefill -> prompt tokens of the batch its last job after the first pass opened
     batch: dict[str, int] = field(default_factory=dict)
+    # prefill -> the chunk that batch was opened with (the instance takes it whole at once)
+    batch_chunk: dict[str, int] = field(default_factory=dict)
 
     def count(self, instance_id: str) -> int:
         """Requests of this burst placed on the instance so far."""
@@ -125,6 +130,13 @@ class BurstState:
         held = self.batch.get(instance_id, 0)
         return held > 0 and held + prompt_tokens <= chunk_tokens
 
+    def batched(self, instance_id: str, prompt_tokens: int, chunk_tokens: int) -> bool:
+        """Whether a prompt after the first pass is computed in the same forward as the job
+        placed before it: it joins that batch within the chunk the batch was opened with (the
+        instance takes a batch whole, with the chunk of the moment its first job is taken)."""
+        opened = self.batch_chunk.get(instance_id, 0)
+        return self.joins_batch(instance_id, prompt_tokens, min(chunk_tokens, opened))
+
     def record(self, request_id: str, prefill_id: str, decode_id: str, prompt_tokens: int,
                first_pass: bool, chunk_tokens: int = 0) -> None:
         """A request of the burst was placed (its prefill in the first pass or after it, in
@@ -134,6 +146,8 @@ class BurstState:
             joined = self.joins_batch(prefill_id, prompt_tokens, chunk_tokens)
             held = self.batch.get(prefill_id, 0) if joined else 0
             self.batch[prefill_id] = held + prompt_tokens
+            if not joined:
+                self.batch_chunk[prefill_id] = chunk_tokens
         self.context[decode_id] = self.context.get(decode_id, 0) + prompt_tokens
         for iid in (prefill_id, decode_id):
             self.placed[iid] = self.placed.get(iid, 0) + 1
@@ -173,7 +187,25 @@ def settle(plans: list[Plan | None]) -> list[Plan | None]:
                 out[i] = plan._replace(order=order, prefill_estimate=est, start_by=start_by)
             else:
                 out[i] = plan._replace(order=order)
+        for batch in _batches(out, [i for i in members if not _plan(out, i).first_pass]):
+            # One forward computes them all: each answers when it ends, as the last of them.
+            end = max(_since_placed(_plan(out, i).prefill_estimate) for i in batch)
+            for i in batch:
+                plan = _plan(out, i)
+                est = plan.prefill_estimate
+                out[i] = plan._replace(prefill_estimate=est._replace(ttft_s=end + est.waited_s))
     return out
+
+
+def _batches(plans: list[Plan | None], after_pass: list[int]) -> list[list[int]]:
+    """The runs of two or more plans after a first pass that one forward computes together."""
+    runs: list[list[int]] = []
+    for i in after_pass:
+        if runs and _plan(plans, i).batched:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return [run for run in runs if len(run) > 1]
 
 
 def _since_placed(est: PrefillEstimate) -> float:

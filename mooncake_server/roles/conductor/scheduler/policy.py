@@ -118,6 +118,8 @@ class Plan(NamedTuple):
     # ... and by which its first token is due (the prefill answers a first pass's done jobs
     # early rather than let them miss it).
     answer_by: float | None = None
+    # After its burst's first pass: computed in one forward with the job placed before it.
+    batched: bool = False
 
     @property
     def first_pass(self) -> bool:
@@ -203,9 +205,11 @@ class KVCacheScheduler:
             due = (None if self.ttft_slo_s is None
                    else time.monotonic() - waited + self.ttft_slo_s)
             start_by = None if due is None else due - est.compute_s - est.transfer_s
-            plan = plan._replace(order=order, start_by=start_by, answer_by=due)
-            self._burst.record(request.request_id, est.instance_id, plan.decode.instance_id,
-                               len(request.prompt_token_ids), plan.first_pass, est.chunk_tokens)
+            n = len(request.prompt_token_ids)
+            plan = plan._replace(order=order, start_by=start_by, answer_by=due, batched=not (
+                plan.first_pass) and self._burst.batched(est.instance_id, n, est.chunk_tokens))
+            self._burst.record(request.request_id, est.instance_id, plan.decode.instance_id, n,
+                               plan.first_pass, est.chunk_tokens)
         return plan
 
     def _settle(self, plans: list[Plan | None]) -> list[Plan | None]:
