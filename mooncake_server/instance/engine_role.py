@@ -113,4 +113,3 @@ async def after_neighbours_load(cores: CoreBudget | FixedThreads,
             break
         await asyncio.sleep(_POLL_S)
     return time.monotonic() - start
-

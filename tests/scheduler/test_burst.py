@@ -387,7 +387,8 @@ async def test_small_prompts_after_the_first_pass_share_the_pass_they_are_batche
     # a: 10 + 1 ms after a 50 ms wait; b, c, d join its pass (56 tokens), which ends at
     # 0.116 s for all four; e opens the next.
     assert ttfts == pytest.approx([0.116] * 4 + [0.116 + 0.11 + 0.05])
-    assert [got[r].batched for r in "abcde"] == [False, True, True, True, False]  # type: ignore[union-attr]
+    batched = [got[r].batched for r in "abcde"]  # type: ignore[union-attr]
+    assert batched == [False, True, True, True, False]
 
 
 async def test_the_wait_for_a_burst_to_gather_counts_in_its_ttft() -> None:

@@ -89,9 +89,9 @@ class HandOffs(Generic[T]):
     def due(self, pass_s: float | None = None) -> list[tuple[T, float]]:
         """The jobs to send on now, with the seconds each was held: those whose time would
         pass, by more than `HOLD_OVERRUN_S`, during a pass of `pass_s` starting now, or every
-        one (None: no pass follows, or its length is unknown). The pass is judged at its estimate, as the conductor judged it
-        (scheduler/policy.py): one that runs over delays a second token that still has the
-        margin and the TBT SLO."""
+        one (None: no pass follows, or its length is unknown). The pass is judged at its
+        estimate, as the conductor judged it (scheduler/policy.py): one that runs over delays a
+        second token that still has the margin and the TBT SLO."""
         now = self._clock()
         ends = None if pass_s is None else now + pass_s - HOLD_OVERRUN_S
         going = [h for h in self._held if ends is None or h.until <= ends]

@@ -205,10 +205,10 @@ class KVCacheScheduler:
             due = (None if self.ttft_slo_s is None
                    else time.monotonic() - waited + self.ttft_slo_s)
             start_by = None if due is None else due - est.compute_s - est.transfer_s
-            n = len(request.prompt_token_ids)
-            plan = plan._replace(order=order, start_by=start_by, answer_by=due, batched=not (
-                plan.first_pass) and self._burst.batched(est.instance_id, n, est.chunk_tokens))
-            self._burst.record(request.request_id, est.instance_id, plan.decode.instance_id, n,
+            n, iid = len(request.prompt_token_ids), est.instance_id
+            batched = not plan.first_pass and self._burst.batched(iid, n, est.chunk_tokens)
+            plan = plan._replace(order=order, start_by=start_by, answer_by=due, batched=batched)
+            self._burst.record(request.request_id, iid, plan.decode.instance_id, n,
                                plan.first_pass, est.chunk_tokens)
         return plan
 
