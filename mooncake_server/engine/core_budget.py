@@ -41,8 +41,8 @@ _SLOTS = 64
 _SLOT = struct.Struct("<qqqqq")
 _LAST = struct.Struct("<q")  # after the slots: pid of the last turn's holder
 _BOARD_BYTES = _SLOTS * _SLOT.size + _LAST.size
-# `active` while a process loads its model: outside any turn, on every core it can get.
-_LOADING = 2
+# `active`: 1 while a process has work; 2 while it loads its model, outside any turn.
+_WORKING, _LOADING = 1, 2
 _YIELD_S = 0.0005  # how long a process that just had the turn steps aside for a waiting one
 _LIVENESS_EVERY_S = 1.0
 
@@ -89,7 +89,7 @@ class CoreBudget:
 
     def set_active(self, active: bool) -> None:
         """Say whether this process has work (queued or running); a prefill shortens its passes."""
-        self._active = int(active)
+        self._active = _WORKING if active else 0
         self._write_slot()
 
     def set_loading(self, loading: bool) -> None:
@@ -99,7 +99,11 @@ class CoreBudget:
 
     def others_loading(self) -> int:
         """Engine processes other than this one loading their model now."""
-        return sum(1 for slot in self._other_slots() if slot[1] == _LOADING)
+        return self._others_in(_LOADING)
+
+    def _others_in(self, state: int) -> int:
+        """Live engine processes other than this one whose `active` field is `state`."""
+        return sum(1 for slot in self._other_slots() if slot[1] == state)
 
     def _write_slot(self) -> None:
         # NOTE: the event loop and the forward thread both write the slot; each write reads the
@@ -133,7 +137,7 @@ class CoreBudget:
 
     def others_active(self) -> int:
         """Engine processes other than this one that have work now."""
-        return sum(1 for slot in self._other_slots() if slot[1] == 1)
+        return self._others_in(_WORKING)
 
     def others_present(self) -> int:
         """Engine processes other than this one on these cores, busy or not."""
@@ -156,7 +160,7 @@ class CoreBudget:
 
     def others_step_s(self) -> float:
         """The longest last pass of the other live engine processes that have work (0.0: none)."""
-        return max((slot[4] for slot in self._other_slots() if slot[1] == 1), default=0) / 1e6
+        return max((slot[4] for slot in self._other_slots() if slot[1] == _WORKING), default=0) / 1e6
 
     def others_waiting(self) -> int:
         """Engine processes other than this one waiting for the turn now."""
