@@ -54,6 +54,27 @@ class KVLayout:
         return cls(config.num_hidden_layers, kv_heads, head_dim, block_tokens, dtype)  # type: ignore[attr-defined]
 
 
+def prompt_cut(start: int, pending: int, budget: int, block_tokens: int, *,
+               first: bool) -> int:
+    """Prompt tokens a pass computes from position `start` (`pending` left) within `budget`:
+    all of them, or as many as end on a block boundary (`first`: no other prompt is in the
+    pass, so it takes at least up to the next boundary rather than none)."""
+    # NOTE: a cut inside a block changes the bits of that block's KV and of every block after
+    # it (attention over cached blocks sums in another order than within one pass). Blocks are
+    # stored under keys of their tokens alone: two requests sharing a prefix, cut differently,
+    # wrote two copies of one key, the store kept the first, and the other request's decode
+    # found its KV was not its prefill's (it answered 503). Cut on boundaries, the bundled
+    # model's blocks come out bit-identical (measured up to 256 tokens of context; past that
+    # torch's attention kernel splits the keys by the pass's query length, and a decode given
+    # another copy recomputes from it: roles/decode/app.py).
+    if pending <= budget:
+        return pending
+    end = (start + budget) // block_tokens * block_tokens
+    if end <= start:
+        end = (start // block_tokens + 1) * block_tokens if first else start
+    return min(pending, end - start)
+
+
 class OutOfBlocks(Exception):
     """Raised when the cache has fewer free blocks than asked for."""
 

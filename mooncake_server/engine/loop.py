@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from mooncake_server.engine.kv_cache import OutOfBlocks
+from mooncake_server.engine.kv_cache import OutOfBlocks, prompt_cut
 from mooncake_server.engine.logprobs import score_prompt_chunks, token_logprob
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
 from mooncake_server.engine.sampler import sample_token
@@ -212,6 +212,7 @@ class EngineLoop:
                                                    sum(seq.num_computed + 1 for seq in rows)))
         bt = self.kv.layout.block_tokens
         now = time.perf_counter()
+        prompts = 0  # prompt tokens in this pass so far
         for seq in list(self.running):
             n = seq.num_pending
             if not seq.decoding:  # a prompt (chunk) still being prefilled
@@ -220,8 +221,11 @@ class EngineLoop:
                 if seq.num_computed == 0 and seq.start_by is not None and now > seq.start_by:
                     self._finish(seq, error=LATE_FOR_SLO)  # started now, it would be late
                     continue
-                n = min(n, budget)
+                n = prompt_cut(seq.num_computed, n, budget, bt, first=not prompts)
+                if not n:
+                    continue
                 budget -= n
+                prompts += n
             try:
                 need = -(-(seq.num_computed + n) // bt) - len(seq.block_ids)
                 if need > 0:

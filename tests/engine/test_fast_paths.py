@@ -11,13 +11,14 @@ import torch
 from test_engine_loop import collect, hf_greedy, make_backend
 
 from mooncake_server.engine.attention import causal_mask
-from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
+from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache, prompt_cut
 from mooncake_server.engine.linears import apply_kernel, bf16_packing_supported, prepare_linears
 from mooncake_server.engine.llama_stack import LlamaStack, supports
-from mooncake_server.engine.model_runner import ModelRunner, StepItem, packed_forward
+from mooncake_server.engine.model_runner import ModelRunner, StepItem, load_model, packed_forward
 from mooncake_server.engine.sequence import Sequence
 from mooncake_server.engine.vnni_linear import vnni_supported
 from mooncake_server.engine.w8_linear import W8Linear, w8_supported
+from mooncake_server.model_assets import resolve_model
 from mooncake_server.wire.jobs import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
@@ -199,6 +200,51 @@ def test_auto_logits_do_not_depend_on_what_shares_the_step(pair: str, request) -
     alone, batched = _logits_alone_and_batched(runner, prompts)
     for a, b in zip(alone, batched):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _block_bytes(kv: PagedKVCache, block_ids: list[int]) -> list[bytes]:
+    return [kv.pool[b].numpy().tobytes() for b in block_ids]
+
+
+def _kv_in_passes(runner: ModelRunner, prompts: list[list[int]], chunk: int) -> list[list[bytes]]:
+    """Each prompt's full KV blocks, the prompts computed together in passes of `chunk` tokens
+    cut as the prefill and colocated schedulers cut them (`prompt_cut`)."""
+    kv = runner.kv
+    bt = kv.layout.block_tokens
+    seqs = [_seq(kv, f"r{i}", p) for i, p in enumerate(prompts)]
+    while any(s.num_pending for s in seqs):
+        items, left = [], chunk
+        for s in seqs:
+            n = prompt_cut(s.num_computed, s.num_pending, left, bt, first=left == chunk)
+            if s.num_pending and n:
+                items.append(StepItem(s, n))
+                left -= n
+        runner.step(items)
+        for it in items:
+            it.seq.num_computed += it.num_new
+    out = [_block_bytes(kv, s.block_ids[:len(s.token_ids) // bt]) for s in seqs]
+    for s in seqs:
+        kv.free(s.block_ids)
+    return out
+
+
+@pytest.mark.skipif(not w8_supported(), reason="this CPU has no AVX2+FMA")
+def test_a_shared_prefix_gets_the_same_kv_bits_however_passes_cut_it() -> None:
+    """The default model in the default mode: two chat requests sharing a 40-token prefix,
+    computed together in passes that cut them at different places, write the prefix's blocks
+    bit for bit as one request alone in one pass does. The store keeps one copy per key, and
+    each decode checks the copy against its own prefill's checksums."""
+    model = load_model(resolve_model(None), torch.float32, "auto")
+    layout = KVLayout.from_model_config(model.config, 16, torch.float32)
+    runner = ModelRunner(model, PagedKVCache(layout, num_blocks=64))
+    g = torch.Generator().manual_seed(12)
+    prefix = torch.randint(2, 40_000, (40,), generator=g).tolist()
+    a, b = (prefix + torch.randint(2, 40_000, (n,), generator=g).tolist() for n in (7, 13))
+    alone = _kv_in_passes(runner, [b], chunk=64)[0]
+    for chunk in (10, 13, 22, 50):  # cut inside a block, each pass alike, they used to differ
+        together = _kv_in_passes(runner, [a, b], chunk)
+        assert together[0][:2] == together[1][:2] == alone[:2], chunk
+        assert together[1] == alone, chunk
 
 
 @pytest.mark.skipif(not w8_supported(), reason="this CPU has no AVX2+FMA")

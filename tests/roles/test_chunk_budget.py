@@ -78,6 +78,21 @@ def test_a_full_pass_timed_at_start_up_speaks_for_the_machine_until_long_passes_
     assert chunks.tokens(decode_step_s=0.05) == 56  # 1.5 x (10 + 56) ms = 99 ms of 100
 
 
+def test_a_chunk_is_whole_kv_blocks() -> None:
+    """The worker cuts a prompt only on a KV block boundary, so the chunk it sizes and reports
+    (the conductor estimates cut passes by it) is whole blocks: 64 of the 65 tokens that fit,
+    and one block where less than one fits."""
+    def timed(chunks: ChunkBudget) -> ChunkBudget:
+        for wait in (0.01, 0.03, 0.05, 0.07):
+            chunks.observe([(64, 0)], 2 * MODEL.prefill_s(64), wait_s=wait, beside_decode=True)
+        return chunks
+
+    assert timed(ChunkBudget(256, MODEL, tbt_slo_s=0.2, clock=Clock())).tokens() == 65
+    blocks = timed(ChunkBudget(256, MODEL, tbt_slo_s=0.2, block_tokens=16, clock=Clock()))
+    assert blocks.tokens() == 64 and blocks.split(True, 2048).cut_tokens == 64
+    assert ChunkBudget(256, MODEL, tbt_slo_s=0.02, block_tokens=32).tokens() == 32
+
+
 def test_a_slow_machine_still_gets_the_smallest_useful_chunk() -> None:
     chunks = ChunkBudget(256, MODEL, tbt_slo_s=0.02)
     assert chunks.tokens() == MIN_CHUNK

@@ -21,6 +21,7 @@ from mooncake_server.roles.prefill.worker import PrefillWorker, _Task
 from mooncake_server.wire.jobs import PrefillJob, SamplingParams
 
 CHUNK = 32
+BLOCK = 4  # KV block tokens: every cut below falls on a boundary
 
 
 class RecordedWorker(PrefillWorker):
@@ -41,8 +42,8 @@ class RecordedWorker(PrefillWorker):
 
     async def _step(self, pending: list[Any]) -> list[tuple[Any, list[Any]]]:
         done, computed = [], []
-        shares = forward_shares([(t.seq.num_pending, t.job.pass_tail and not t.passes)
-                                 for t in pending], CHUNK)
+        shares = forward_shares([(t.seq.num_pending, t.job.pass_tail and not t.passes,
+                                  t.seq.num_computed) for t in pending], CHUNK, BLOCK)
         for task, n in zip(pending, shares):
             if not n:
                 continue

@@ -66,7 +66,8 @@ class WalkingWorker(PrefillWorker):
         self.chunks = SimpleNamespace(
             tokens=lambda step_s: CUT,
             rest_s=lambda items: sum(n for n, _ in items) * pass_s_per_token)
-        self.kv = SimpleNamespace(layout=SimpleNamespace(block_tokens=16))
+        # 4-token blocks: every pass below (8, 60, 64 tokens) cuts on a block boundary.
+        self.kv = SimpleNamespace(layout=SimpleNamespace(block_tokens=4))
         self.cache = SimpleNamespace(num_cached=0)
         self.metrics = PrefillMetrics(CollectorRegistry())
         self.reporter = None

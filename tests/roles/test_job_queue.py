@@ -183,12 +183,27 @@ def test_a_first_pass_is_late_by_how_far_its_rest_ends_past_the_earliest_deadlin
 
 def test_a_tail_is_started_only_in_a_forward_of_its_own() -> None:
     # 30 + 20 tokens fill a 64-token forward to 50; the tail's 40 wait for the next forward.
-    assert forward_shares([(30, False), (20, False), (40, True)], 64) == [30, 20, 0]
+    assert forward_shares([(30, False, 0), (20, False, 0), (40, True, 0)], 64, 2) == [30, 20, 0]
     # Alone (the others computed), the tail takes the forward; later ones wait behind it.
-    assert forward_shares([(40, True), (10, False)], 64) == [40, 10]
-    assert forward_shares([(100, True), (10, False)], 64) == [64, 0]
+    assert forward_shares([(40, True, 0), (10, False, 0)], 64, 2) == [40, 10]
+    assert forward_shares([(100, True, 0), (10, False, 0)], 64, 2) == [64, 0]
     # Not a tail, or one already started: packed as before.
-    assert forward_shares([(30, False), (50, False)], 64) == [30, 34]
+    assert forward_shares([(30, False, 0), (50, False, 0)], 64, 2) == [30, 34]
+
+
+def test_a_prompt_cut_short_is_cut_on_a_kv_block_boundary() -> None:
+    """A prompt the forward cannot finish stops at the end of a block, so every block's KV is
+    computed in one forward and has the same bits however the passes fell (a shared prefix's
+    blocks are stored once, under their tokens' key)."""
+    # 30 tokens leave 34: the second prompt computes two 16-token blocks, not 34 tokens.
+    assert forward_shares([(30, False, 0), (50, False, 0)], 64, 16) == [30, 32]
+    # Resuming at 32 with 40 tokens of room: up to 64, the next boundary within reach.
+    assert forward_shares([(60, False, 32)], 40, 16) == [32]
+    # A prompt's end needs no boundary; a forward with no room for one block of the next
+    # prompt leaves it for the next forward.
+    assert forward_shares([(7, False, 48), (40, False, 0)], 20, 16) == [7, 0]
+    # Alone in a forward smaller than a block, a prompt still computes one whole block.
+    assert forward_shares([(40, False, 16)], 10, 16) == [16]
 
 
 def test_a_tail_is_late_if_it_would_end_past_a_deadline_running_a_tenth_slower() -> None:

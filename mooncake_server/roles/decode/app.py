@@ -3,10 +3,10 @@
 A request walks, in order:
   blocks reserved in the local paged cache -> prompt KV read from the store (full blocks by chained
   key, then the partial tail block, from any live replica) and checksums verified; blocks the
-  store no longer holds are left to recompute -> waiting -> running in the engine loop
-  (one token per step, sharing forward passes with every other running request) -> finished; each
-  token is streamed back to the conductor as one NDJSON line. A closed stream cancels the request and
-  frees its blocks.
+  store no longer holds, or holds in another writer's copy, are left to recompute -> waiting ->
+  running in the engine loop (one token per step, sharing forward passes with every other
+  running request) -> finished; each token is streamed back to the conductor as one NDJSON
+  line. A closed stream cancels the request and frees its blocks.
 A request moved here from another decode instance (its job carries the output so far) loads every
 full block of its computed tokens the store holds and recomputes the rest before its next token.
 Every block that fills is written back to the store under its chained key (engine/writeback.py),
@@ -62,15 +62,12 @@ log = logging.getLogger(__name__)
 _QUIET_PASSES = 5
 
 
-class KVLoadError(Exception):
-    """The prompt's KV could not be brought into the local cache."""
-
-
 class DecodeService:
     """Admits decode jobs: loads their KV, hands them to the engine loop, streams their tokens."""
 
     def __init__(self, loop: EngineLoop, link: KVStoreLink, max_model_len: int,
-                 failures: Counter, verified: Counter, recomputed: Counter) -> None:
+                 failures: Counter, verified: Counter, recomputed: Counter,
+                 mismatched: Counter) -> None:
         self.loop = loop
         self.kv = loop.kv
         self.link = link
@@ -78,6 +75,7 @@ class DecodeService:
         self.failures = failures
         self.verified = verified
         self.recomputed = recomputed
+        self.mismatched = mismatched
         self.admission: DecodeAdmission | None = None
         self.writeback: BlockWriteBack | None = None
         self.streams = 0  # token streams open (a drain waits for them)
@@ -93,7 +91,8 @@ class DecodeService:
             self.admission.release(request_id)
 
     async def admit(self, job: DecodeJob) -> Sequence:
-        """Load the job's KV and queue it; raises AdmissionRefused, KVLoadError or OutOfBlocks."""
+        """Load the job's KV and queue it; raises AdmissionRefused, StoreError, TransferError or
+        OutOfBlocks."""
         self._claim(job)
         try:
             seq = await self._load_and_submit(job)
@@ -119,11 +118,7 @@ class DecodeService:
                 log.warning("loading KV of %s failed, recomputing it: %s", job.request_id, exc)
                 got = 0
             if got and job.block_checksums:
-                sums = await self.link.checksums(seq.block_ids[:got])
-                bad = [i for i, (a, b) in enumerate(zip(sums, job.block_checksums)) if a != b]
-                if bad:
-                    raise KVLoadError(f"KV block checksum mismatch at block(s) {bad[:4]}")
-                self.verified.inc(len(sums))
+                got = await self._verified(job, seq.block_ids[:got])
         except BaseException:
             self.kv.free(seq.block_ids)
             seq.block_ids = []
@@ -139,6 +134,23 @@ class DecodeService:
         self._track(job, seq, min(got, m // bt))
         self.loop.submit(seq)
         return seq
+
+    async def _verified(self, job: DecodeJob, block_ids: list[int]) -> int:
+        """How many leading loaded blocks hold the bytes the prefill computed (CRC32C)."""
+        sums = await self.link.checksums(block_ids)
+        bad = next((i for i, (a, b) in enumerate(zip(sums, job.block_checksums)) if a != b),
+                   len(sums))
+        self.verified.inc(bad)
+        if bad < len(sums):
+            # NOTE: the store checked these bytes against their writer's checksum; the writer
+            # was another request sharing the prefix whose passes ran in other shapes (a block's
+            # bits depend on them, engine/kv_cache.prompt_cut), and the store keeps the first
+            # copy of a key. Recomputed here from the first such block, the answer is this
+            # request's own; refused, it was a 503 for a healthy cluster.
+            log.warning("KV of %s: block %d of %d is another writer's copy, recomputing from it",
+                        job.request_id, bad, len(sums))
+            self.mismatched.inc(len(sums) - bad)
+        return bad
 
     def _track(self, job: DecodeJob, seq: Sequence, stored: int) -> None:
         """Write back the blocks that fill from here on; count a moved-in request's loaded KV."""
@@ -212,8 +224,12 @@ def build_app(config: ServerConfig) -> FastAPI:
                        "KV blocks read from the store whose CRC32C matched prefill's",
                        registry=registry)
     recomputed = Counter("mooncake_decode_recomputed_tokens",
-                         "Prompt tokens whose KV the store no longer held, recomputed here",
+                         "Prompt tokens whose KV the store no longer held (or held another "
+                         "writer's copy of), recomputed here",
                          registry=registry)
+    mismatched = Counter("mooncake_decode_kv_blocks_mismatched",
+                         "KV blocks read from the store whose CRC32C was not prefill's (another "
+                         "writer's copy of a shared prefix), recomputed here", registry=registry)
     writeback_metrics = WriteBackMetrics(registry)
     state = DecodeState(failures)
 
@@ -228,7 +244,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         loop.start()
         starting.stack.push_async_callback(loop.stop)
         service = DecodeService(loop, parts.link, parts.info.max_model_len, failures, verified,
-                                recomputed)
+                                recomputed, mismatched)
         service.admission = _admission(config, runner.kv.num_blocks, parts.info.max_model_len)
         if service.admission.model is not None:
             await after_neighbours_load(runner.cores)
@@ -263,7 +279,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         except OutOfBlocks as exc:
             failures.labels("no_kv_memory").inc()
             raise HTTPException(503, f"decode KV cache full: {exc}") from exc
-        except (KVLoadError, StoreError, TransferError) as exc:
+        except (StoreError, TransferError) as exc:
             failures.labels("kv_load").inc()
             raise HTTPException(503, f"loading KV from the store failed: {exc}") from exc
         return StreamingResponse(service.stream(seq, 1 + len(job.generated_token_ids)),

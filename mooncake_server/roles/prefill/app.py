@@ -65,7 +65,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         parts = await start_engine(starting, "prefill")
         model = (load_perf_model(config.profile_path, config.block_tokens, config.dtype)
                  if config.tbt_slo_s is not None else None)
-        chunks = ChunkBudget(config.decode_chunk_tokens, model, config.tbt_slo_s)
+        chunks = ChunkBudget(config.decode_chunk_tokens, model, config.tbt_slo_s,
+                             block_tokens=config.block_tokens)
         if model is not None:
             kv = parts.runner.kv
             # Long enough that a burst's first pass may run past one chunk (passes.py).

@@ -39,10 +39,11 @@ class ChunkBudget:
     """The prompt-token chunk of a pass beside decoding: --decode-chunk, or what fits the SLO."""
 
     def __init__(self, cap: int, model: PerfModel | None = None,
-                 tbt_slo_s: float | None = None, *, horizon_s: float = DEFAULT_HORIZON_S,
-                 speed_horizon_s: float = SPEED_HORIZON_S,
+                 tbt_slo_s: float | None = None, *, block_tokens: int = 1,
+                 horizon_s: float = DEFAULT_HORIZON_S, speed_horizon_s: float = SPEED_HORIZON_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cap = cap
+        self.block_tokens = block_tokens
         self.model = model if tbt_slo_s is not None else None
         self.tbt_slo_s = tbt_slo_s or 0.0
 
@@ -180,4 +181,7 @@ class ChunkBudget:
         if self.model is None:
             return self.cap
         budget = pass_budget_s(self.tbt_slo_s, decode_step_s)
-        return chunk_fitting(self.model, self._ratio(cut=True), budget, self.cap)
+        chunk = chunk_fitting(self.model, self._ratio(cut=True), budget, self.cap)
+        # Whole blocks: the worker cuts prompts on block boundaries (kv_cache.prompt_cut), and
+        # the conductor estimates cut passes of this many tokens (PassSplit.cut_tokens).
+        return max(self.block_tokens, chunk // self.block_tokens * self.block_tokens)

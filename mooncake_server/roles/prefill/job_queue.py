@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+from mooncake_server.engine.kv_cache import prompt_cut
 from mooncake_server.wire.jobs import PrefillJob
 
 # The longest a job waits for the jobs ranked before it in its burst (a refused or cancelled
@@ -57,14 +58,20 @@ def first_pass_late(dues: Sequence[float | None], rest_s: float | None, now: flo
     return max(0.0, now + rest_s - due)
 
 
-def forward_shares(pending: Sequence[tuple[int, bool]], chunk_tokens: int) -> list[int]:
+def forward_shares(pending: Sequence[tuple[int, bool, int]], chunk_tokens: int,
+                   block_tokens: int) -> list[int]:
     """How many tokens of each pending job (its tokens left; whether it is a first pass's
-    tail not started yet) the next forward of at most `chunk_tokens` computes, oldest first: a
-    tail only in a forward of its own, so that it can still be turned away once the others'
-    forwards have run (`tail_late`)."""
+    tail not started yet; the position it resumes at) the next forward of at most
+    `chunk_tokens` computes, oldest first: a prompt cut short is cut on a block boundary
+    (`prompt_cut`), and a tail only in a forward of its own, so that it can still be turned
+    away once the others' forwards have run (`tail_late`)."""
     shares, left = [], chunk_tokens
-    for pending_tokens, tail in pending:
-        take = 0 if tail and left < chunk_tokens else min(pending_tokens, left)
+    for pending_tokens, tail, start in pending:
+        if tail and left < chunk_tokens:
+            take = 0
+        else:
+            take = prompt_cut(start, pending_tokens, left, block_tokens,
+                              first=left == chunk_tokens)
         shares.append(take)
         left -= take
     return shares

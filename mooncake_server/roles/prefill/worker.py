@@ -358,13 +358,14 @@ class PrefillWorker:
     def _pass_shares(self, pending: list[_Task]) -> list[int]:
         """The prompt tokens each pending job computes in the next pass (`_chunk_tokens`); held
         hand-offs due before that pass would end go on first, and it is cut beside them."""
-        sizes = [(t.seq.num_pending if t.seq is not None else 0, t.job.pass_tail and not t.passes)
-                 for t in pending]
-        shares = forward_shares(sizes, self._chunk_tokens())
+        bt = self.kv.layout.block_tokens
+        sizes = [(t.seq.num_pending, t.job.pass_tail and not t.passes, t.seq.num_computed)
+                 if t.seq is not None else (0, False, 0) for t in pending]
+        shares = forward_shares(sizes, self._chunk_tokens(), bt)
         if len(self._hand_on) and self._hand_on.due(self.chunks.rest_s(
                 [(n, t.seq.num_computed) for t, n in zip(pending, shares)
                  if n and t.seq is not None])):
-            shares = forward_shares(sizes, self._chunk_tokens())
+            shares = forward_shares(sizes, self._chunk_tokens(), bt)
         return shares
 
     async def _fail_all(self, tasks: list[_Task], exc: BaseException) -> None:
