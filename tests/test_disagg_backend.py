@@ -204,6 +204,8 @@ async def test_with_a_ttft_slo_the_job_says_when_it_must_start(registry: Instanc
     assert job.start_within_s is not None and 4.0 < job.start_within_s < 5.0
     # ... and when its first token is due: a first pass running late answers it early.
     assert job.answer_within_s is not None and job.start_within_s < job.answer_within_s <= 5.0
+    # ... and when it is estimated: the instance packs no forward past it.
+    assert job.expect_within_s is not None and 0 < job.expect_within_s < job.answer_within_s
     assert not job.pass_tail  # alone, it is no first pass's tail
 
 

@@ -100,6 +100,9 @@ class PrefillJob(BaseModel):
     # first pass that runs late answers the jobs it has computed instead of holding them for
     # its end. None: no deadline.
     answer_within_s: float | None = None
+    # ... and estimated within this many (the conductor's TTFT estimate): the instance packs
+    # no job into a forward that would end well past a member's (job_queue.py). None: none.
+    expect_within_s: float | None = None
     # The last rank of its burst's first pass, the prompt that took the pass past one chunk:
     # it gets a forward of its own after the others', started only if it would end by
     # `answer_within_s` at the speed they ran; otherwise it is turned away (429) before any work.

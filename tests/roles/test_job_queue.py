@@ -16,6 +16,7 @@ from mooncake_server.roles.prefill.job_queue import (
     LateForSLO,
     first_pass_late,
     forward_shares,
+    joins_forward,
     tail_late,
 )
 from mooncake_server.roles.prefill.metrics import PrefillMetrics
@@ -248,3 +249,50 @@ async def test_the_worker_starts_a_late_job_only_if_its_measured_speed_ends_it_b
         if not starts:
             with pytest.raises(LateForSLO, match="could not start within 0.50 s"):
                 queued.done.result()
+
+
+def test_a_job_joins_a_forward_only_while_its_members_are_answered_about_when_estimated() -> None:
+    # 2 s left to the earliest estimate: a 2.2 s forward is within 1.15 of it, 2.4 s is not.
+    assert joins_forward([102.0, 105.0, None], pass_s=2.2, added_s=1.5, fixed_s=0.07, now=100.0)
+    assert not joins_forward([102.0, 105.0], pass_s=2.4, added_s=1.5, fixed_s=0.07, now=100.0)
+    # A job adding less than a forward's fixed cost joins: its own forward would cost more.
+    assert joins_forward([102.0], pass_s=2.4, added_s=0.05, fixed_s=0.07, now=100.0)
+    # No estimate or no speed: packed by tokens alone, as before.
+    assert joins_forward([None], pass_s=9.0, added_s=9.0, fixed_s=0.07, now=100.0)
+    assert joins_forward([101.0], pass_s=None, added_s=9.0, fixed_s=0.07, now=100.0)
+
+
+@pytest.mark.parametrize("estimated", ["one after the other", "together"])
+async def test_the_worker_packs_a_forward_as_the_conductor_estimated_its_jobs(
+        estimated: str) -> None:
+    """A replay's burst (x2): prompts of 2-542 tokens the conductor estimated one after the
+    other, from 0.18 s to 3.56 s. Packed by tokens they ran in one 1,958-token forward and the
+    small ones were answered at 3.01 s (16x their estimates); now the first forward takes the
+    three small ones alone. Estimated as one batch (all at its end), they run in one forward."""
+    from mooncake_server.cost_model.perf_model import PerfModel
+    from mooncake_server.roles.prefill.chunk_budget import ChunkBudget
+
+    model = PerfModel(prefill_a=0.0, prefill_b=1.35e-3, prefill_c=0.073, prefill_e=0.0)
+
+    class Worker(PrefillWorker):
+        def __init__(self) -> None:  # none of the engine is needed
+            self._queue = JobQueue()
+            self.chunks = ChunkBudget(256, model, tbt_slo_s=0.2)
+            self.chunks.observe([(1024, 0)], model.prefill_s(1024))  # full passes as modelled
+            self.metrics = PrefillMetrics(CollectorRegistry())
+
+        def _chunk_tokens(self) -> int:
+            return 2048
+
+    sizes = [2, 6, 9, 453, 457, 489, 542]
+    expected = ([0.18, 0.27, 0.36, 1.44, 2.09, 2.79, 3.56] if estimated == "one after the other"
+                else [3.7] * len(sizes))
+    worker = Worker()
+    loop = asyncio.get_running_loop()
+    for i, (n, within) in enumerate(zip(sizes, expected)):
+        job = PrefillJob(request_id=f"r{n}", prompt_token_ids=[1] * n, block_keys=[],
+                         sampling=SamplingParams(max_tokens=4), expect_within_s=within)
+        worker._queue.push(_Task(job, loop.create_future(), queued_wall=1000.0 + i))
+    taken = [t.job.request_id for t in worker._take_batch()]
+    assert taken == (["r2", "r6", "r9"] if estimated == "one after the other"
+                     else [f"r{n}" for n in sizes])

@@ -75,13 +75,15 @@ class InstanceCalls:
         within = (None if plan.start_by is None or flow.moves
                   else max(0.0, plan.start_by - now))
         due = None if plan.answer_by is None or flow.moves else max(0.0, plan.answer_by - now)
+        expect = plan.expect_by
+        expect = None if expect is None or flow.moves else max(0.0, expect - now)
         job = PrefillJob(request_id=flow.request_id,
                          prompt_token_ids=flow.request.prompt_token_ids, block_keys=flow.keys,
                          sampling=flow.request.sampling, reuse=plan.reuse,
                          burst_at=order.burst_at if order else None,
                          burst_rank=order.rank if order else 0,
                          burst_pass=order.pass_ranks if order else 0, start_within_s=within,
-                         answer_within_s=due,
+                         answer_within_s=due, expect_within_s=expect,
                          pass_tail=plan.prefill_estimate.pass_tail and not flow.moves)
         where = f"prefill instance {prefill.instance_id}"
         try:

@@ -52,6 +52,7 @@ from mooncake_server.roles.prefill.job_queue import (
     Waiting,
     first_pass_late,
     forward_shares,
+    joins_forward,
     same_first_pass,
     tail_late,
 )
@@ -97,6 +98,12 @@ class _Task:
     def answer_by(self) -> float | None:
         """The perf_counter() time its first token is due (None: no deadline)."""
         within = self.job.answer_within_s
+        return None if within is None else self.queued_at + within
+
+    @property
+    def expect_by(self) -> float | None:
+        """The perf_counter() time the conductor estimated its first token by (None: none)."""
+        within = self.job.expect_within_s
         return None if within is None else self.queued_at + within
 
 
@@ -170,7 +177,7 @@ class PrefillWorker:
     def _take_batch(self) -> list[_Task]:
         """The next job in the admission's order, and those after it whose prompts fit in the
         same chunk; jobs that waited past their start deadline are refused (429)."""
-        batch, late = self._queue.take(self._chunk_tokens(), self._still_in_time)
+        batch, late = self._queue.take(self._chunk_tokens(), self._still_in_time, self._packs)
         for task in late:
             assert isinstance(task, _Task)
             waited = time.perf_counter() - task.queued_at
@@ -180,6 +187,17 @@ class PrefillWorker:
                 f"prefill could not start within {task.job.start_within_s:.2f} s "
                 f"(waited {waited:.2f} s): it would miss its TTFT SLO"))
         return [t for t in batch if isinstance(t, _Task)]
+
+    def _packs(self, tasks: list[Waiting]) -> bool:
+        """Whether the last of `tasks` joins the forward of those before it, at the speed full
+        passes ran here lately (job_queue.joins_forward)."""
+        sizes = [(len(t.job.prompt_token_ids), 0) for t in tasks]
+        with_s, without_s = self.chunks.rest_s(sizes), self.chunks.rest_s(sizes[:-1])
+        if with_s is None or without_s is None:
+            return True
+        return joins_forward([t.expect_by for t in tasks if isinstance(t, _Task)], with_s,
+                             with_s - without_s, self.chunks.rest_s([(1, 0)]) or 0.0,
+                             time.perf_counter())
 
     def _still_in_time(self, task: Waiting) -> bool:
         """Whether a job past its start deadline, started now and alone, would still end by

@@ -120,11 +120,17 @@ class Plan(NamedTuple):
     answer_by: float | None = None
     # After its burst's first pass: computed in one forward with the job placed before it.
     batched: bool = False
+    arrived_at: float | None = None  # time.monotonic() the request came
 
     @property
     def first_pass(self) -> bool:
         """Its prefill joins its burst's first full pass (bursts.py)."""
         return self.prefill_estimate.first_pass
+
+    @property
+    def expect_by(self) -> float | None:
+        """The time.monotonic() its first token is estimated by (after `settle`, too)."""
+        return None if self.arrived_at is None else self.arrived_at + self.prefill_estimate.ttft_s
 
 
 class _DecodeChoice(NamedTuple):
@@ -202,12 +208,13 @@ class KVCacheScheduler:
                                 own_split=est.split, max_tokens=request.sampling.max_tokens,
                                 choices=request.sampling.n)
             self.outcomes.placed(request.request_id, est.ttft_s, plan.tbt_s)
-            due = (None if self.ttft_slo_s is None
-                   else time.monotonic() - waited + self.ttft_slo_s)
+            arrived_at = time.monotonic() - waited
+            due = None if self.ttft_slo_s is None else arrived_at + self.ttft_slo_s
             start_by = None if due is None else due - est.compute_s - est.transfer_s
             n, iid = len(request.prompt_token_ids), est.instance_id
             batched = not plan.first_pass and self._burst.batched(iid, n, est.chunk_tokens)
-            plan = plan._replace(order=order, start_by=start_by, answer_by=due, batched=batched)
+            plan = plan._replace(order=order, start_by=start_by, answer_by=due, batched=batched,
+                                 arrived_at=arrived_at)
             self._burst.record(request.request_id, iid, plan.decode.instance_id, n,
                                plan.first_pass, est.chunk_tokens)
         return plan
