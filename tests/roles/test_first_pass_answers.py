@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from mooncake_server.roles.prefill.job_queue import JobQueue, LateForSLO, forward_shares
-from mooncake_server.roles.prefill.worker import PrefillWorker, _Task
+from mooncake_server.roles.prefill.task import PrefillTask
+from mooncake_server.roles.prefill.worker import PrefillWorker
 from mooncake_server.wire.jobs import PrefillJob, SamplingParams
 
 CHUNK = 32
@@ -72,7 +73,7 @@ async def run(jobs: list[PrefillJob], rest_s: float | None = None,
               worker: RecordedWorker | None = None) -> list[tuple[str, list[str]]]:
     worker = worker or RecordedWorker(rest_s)
     loop = asyncio.get_running_loop()
-    await worker._run_batch([_Task(j, loop.create_future()) for j in jobs])
+    await worker._run_batch([PrefillTask(j, loop.create_future()) for j in jobs])
     return worker.events
 
 
@@ -117,7 +118,7 @@ async def test_a_first_pass_tail_runs_in_a_forward_of_its_own_and_only_if_in_tim
     # 4.6 s would end in time, but not 10% slower than the pass ran: not started.
     slow = RecordedWorker(rest_s=4.6)
     loop = asyncio.get_running_loop()
-    tasks = [_Task(j, loop.create_future()) for j in jobs]
+    tasks = [PrefillTask(j, loop.create_future()) for j in jobs]
     await slow._run_batch(tasks)
     assert slow.events == [("forward", ["a", "b"]), ("answer", ["a", "b"])]
     with pytest.raises(LateForSLO, match="not started"):

@@ -20,7 +20,8 @@ from mooncake_server.cost_model.passes import HOLD_MARGIN_S
 from mooncake_server.roles.prefill.hand_on import HOLD_MIN_S, HandOffs, HandOn
 from mooncake_server.roles.prefill.job_queue import JobQueue
 from mooncake_server.roles.prefill.metrics import PrefillMetrics
-from mooncake_server.roles.prefill.worker import PrefillWorker, _Task
+from mooncake_server.roles.prefill.task import PrefillTask
+from mooncake_server.roles.prefill.worker import PrefillWorker
 from mooncake_server.wire.jobs import FirstToken, PrefillJob, PrefillResult, SamplingParams
 
 FULL, CUT = 64, 8  # prompt tokens of a pass alone, and of one beside a decode with work
@@ -117,7 +118,7 @@ async def serve(worker: WalkingWorker, jobs: list[PrefillJob],
             if gone is not None and rid == gone[1]:
                 tasks[gone[0]].done.cancel()
 
-        tasks[j.request_id] = _Task(j, Told(worker.events, j.request_id), on_first=first)
+        tasks[j.request_id] = PrefillTask(j, Told(worker.events, j.request_id), on_first=first)
         worker._queue.push(tasks[j.request_id])
     await worker._serve()
     await asyncio.sleep(0)  # the store removals it started

@@ -20,7 +20,8 @@ from mooncake_server.roles.prefill.job_queue import (
     tail_late,
 )
 from mooncake_server.roles.prefill.metrics import PrefillMetrics
-from mooncake_server.roles.prefill.worker import PrefillWorker, _Task
+from mooncake_server.roles.prefill.task import PrefillTask
+from mooncake_server.roles.prefill.worker import PrefillWorker
 from mooncake_server.wire.jobs import PrefillJob, SamplingParams
 
 
@@ -239,7 +240,7 @@ async def test_the_worker_starts_a_late_job_only_if_its_measured_speed_ends_it_b
         job = PrefillJob(request_id="r", prompt_token_ids=[1] * 400, block_keys=[],
                          sampling=SamplingParams(max_tokens=4), start_within_s=0.5,
                          answer_within_s=4.0)
-        queued = _Task(job, loop.create_future(), queued_at=time.perf_counter() - 1.0)
+        queued = PrefillTask(job, loop.create_future(), queued_at=time.perf_counter() - 1.0)
         worker._queue.push(queued)
         assert [t.job.request_id for t in worker._take_batch()] == (["r"] if starts else [])
         assert queued.done.done() is not starts
@@ -292,7 +293,7 @@ async def test_the_worker_packs_a_forward_as_the_conductor_estimated_its_jobs(
     for i, (n, within) in enumerate(zip(sizes, expected)):
         job = PrefillJob(request_id=f"r{n}", prompt_token_ids=[1] * n, block_keys=[],
                          sampling=SamplingParams(max_tokens=4), expect_within_s=within)
-        worker._queue.push(_Task(job, loop.create_future(), queued_wall=1000.0 + i))
+        worker._queue.push(PrefillTask(job, loop.create_future(), queued_wall=1000.0 + i))
     taken = [t.job.request_id for t in worker._take_batch()]
     assert taken == (["r2", "r6", "r9"] if estimated == "one after the other"
                      else [f"r{n}" for n in sizes])

@@ -35,7 +35,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from mooncake_server.config import ServerConfig
 from mooncake_server.engine.kv_cache import OutOfBlocks
@@ -60,51 +59,13 @@ from mooncake_server.roles.prefill.kv_stream import LayerStream
 from mooncake_server.roles.prefill.metrics import PrefillMetrics
 from mooncake_server.roles.prefill.prefix_cache import LocalPrefixCache
 from mooncake_server.roles.prefill.store_io import finish_writes, load_prefix, streams_layers
+from mooncake_server.roles.prefill.task import PrefillTask
 from mooncake_server.store_client.client import StoreError
 from mooncake_server.store_client.kv_link import KVStoreLink
 from mooncake_server.wire.instances import PassSplit
 from mooncake_server.wire.jobs import FirstToken, PrefillFirst, PrefillJob, PrefillResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Task:
-    """A job inside the worker, from queued to answered."""
-
-    job: PrefillJob
-    done: asyncio.Future[PrefillResult]
-    seq: Sequence | None = None
-    hit: int = 0  # blocks found in the local cache
-    reused: int = 0  # blocks not computed (local hits + store reads)
-    keys: list[str] = field(default_factory=list)  # store keys of the blocks this job writes
-    write: list[int] = field(default_factory=list)  # their indices in seq.block_ids
-    tail_key: str | None = None
-    stream: LayerStream | None = None
-    started: float = 0.0
-    queued_at: float = field(default_factory=time.perf_counter)
-    queued_wall: float = field(default_factory=time.time)
-    passes: int = 0  # forward passes that computed some of its prompt
-    compute_s: float = 0.0  # their compute time
-    wait_s: float = 0.0  # their waits for the cores (a decode's steps beside them)
-    # Told the first tokens the moment the prompt is computed, before the store writes.
-    on_first: Callable[[PrefillFirst], None] | None = None
-
-    def gone(self) -> bool:
-        """Its caller went away while it waited."""
-        return self.done.done()
-
-    @property
-    def answer_by(self) -> float | None:
-        """The perf_counter() time its first token is due (None: no deadline)."""
-        within = self.job.answer_within_s
-        return None if within is None else self.queued_at + within
-
-    @property
-    def expect_by(self) -> float | None:
-        """The perf_counter() time the conductor estimated its first token by (None: none)."""
-        within = self.job.expect_within_s
-        return None if within is None else self.queued_at + within
 
 
 class PrefillWorker:
@@ -133,7 +94,7 @@ class PrefillWorker:
                   on_first: Callable[[PrefillFirst], None] | None = None) -> PrefillResult:
         """Prefill one job (batched with the jobs queued beside it); `on_first` is told its
         first tokens as soon as its prompt is computed, before its KV is in the store."""
-        task = _Task(job, asyncio.get_running_loop().create_future(), on_first=on_first)
+        task = PrefillTask(job, asyncio.get_running_loop().create_future(), on_first=on_first)
         self.queued += 1
         self.runner.cores.set_active(True)
         self._queue.push(task)
@@ -174,19 +135,19 @@ class PrefillWorker:
                 log.exception("prefill batch failed")
                 await self._fail_all(batch, exc)
 
-    def _take_batch(self) -> list[_Task]:
+    def _take_batch(self) -> list[PrefillTask]:
         """The next job in the admission's order, and those after it whose prompts fit in the
         same chunk; jobs that waited past their start deadline are refused (429)."""
         batch, late = self._queue.take(self._chunk_tokens(), self._still_in_time, self._packs)
         for task in late:
-            assert isinstance(task, _Task)
+            assert isinstance(task, PrefillTask)
             waited = time.perf_counter() - task.queued_at
             log.info("refusing %s: waited %.2f s, past the %.2f s its TTFT SLO allowed",
                      task.job.request_id, waited, task.job.start_within_s)
             self._fail(task, LateForSLO(
                 f"prefill could not start within {task.job.start_within_s:.2f} s "
                 f"(waited {waited:.2f} s): it would miss its TTFT SLO"))
-        return [t for t in batch if isinstance(t, _Task)]
+        return [t for t in batch if isinstance(t, PrefillTask)]
 
     def _packs(self, tasks: list[Waiting]) -> bool:
         """Whether the last of `tasks` joins the forward of those before it, at the speed full
@@ -195,7 +156,7 @@ class PrefillWorker:
         with_s, without_s = self.chunks.rest_s(sizes), self.chunks.rest_s(sizes[:-1])
         if with_s is None or without_s is None:
             return True
-        return joins_forward([t.expect_by for t in tasks if isinstance(t, _Task)], with_s,
+        return joins_forward([t.expect_by for t in tasks if isinstance(t, PrefillTask)], with_s,
                              with_s - without_s, self.chunks.rest_s([(1, 0)]) or 0.0,
                              time.perf_counter())
 
@@ -203,7 +164,7 @@ class PrefillWorker:
         """Whether a job past its start deadline, started now and alone, would still end by
         its first token's deadline at the speed passes here ran lately, `TAIL_DRIFT` slower
         (job_queue.py; no speed timed, no deadline: it would not)."""
-        assert isinstance(task, _Task)
+        assert isinstance(task, PrefillTask)
         due = task.answer_by
         run_s = self.chunks.prompt_s(len(task.job.prompt_token_ids), self._beside_decode(),
                                      self.runner.cores.others_step_s())
@@ -217,11 +178,11 @@ class PrefillWorker:
                  due - now - run_s)
         return True
 
-    async def _run_batch(self, batch: list[_Task]) -> None:
+    async def _run_batch(self, batch: list[PrefillTask]) -> None:
         """Prepare the batch, then step it; each job is answered once its prompt is computed."""
         # Store reads and reservations of the batch's jobs are independent: all in flight at once.
         prepared = await asyncio.gather(*(self._prepare(t) for t in batch), return_exceptions=True)
-        pending: list[_Task] = []
+        pending: list[PrefillTask] = []
         for task, outcome in zip(batch, prepared):
             if outcome is None:
                 pending.append(task)
@@ -236,7 +197,7 @@ class PrefillWorker:
         # A burst's first pass is answered whole when its last forward ends (job_queue.py).
         one_pass = len(pending) > 1 and all(same_first_pass(pending[0].job, t.job)
                                             for t in pending)
-        held: list[tuple[_Task, list[FirstToken]]] = []
+        held: list[tuple[PrefillTask, list[FirstToken]]] = []
         while pending:
             try:
                 done = await self._step(pending)
@@ -254,8 +215,8 @@ class PrefillWorker:
                 await self._answer(held, behind + self._queue.tokens())
                 held = []
 
-    def _held_would_miss(self, held: list[tuple[_Task, list[FirstToken]]],
-                         pending: list[_Task]) -> bool:
+    def _held_would_miss(self, held: list[tuple[PrefillTask, list[FirstToken]]],
+                         pending: list[PrefillTask]) -> bool:
         """Whether a first pass's jobs computed so far would miss their first token's deadline
         if held for the rest of the pass (job_queue.first_pass_late)."""
         if not held or not pending:
@@ -269,8 +230,8 @@ class PrefillWorker:
                      rest, late)
         return late > 0
 
-    async def _tail_in_time(self, tails: list[_Task],
-                            held: list[tuple[_Task, list[FirstToken]]]) -> list[_Task]:
+    async def _tail_in_time(self, tails: list[PrefillTask],
+                            held: list[tuple[PrefillTask, list[FirstToken]]]) -> list[PrefillTask]:
         """A first pass's tail if, at the speed the pass ran, it ends within its deadline and
         the held jobs'; otherwise turned away before any work (job_queue.tail_late)."""
         rest = self.chunks.rest_s([(t.seq.num_pending, t.seq.num_computed)
@@ -286,13 +247,13 @@ class PrefillWorker:
             f"{late:.2f} s, so it was not started"))
         return []
 
-    async def _step(self, pending: list[_Task]) -> list[tuple[_Task, list[FirstToken]]]:
+    async def _step(self, pending: list[PrefillTask]) -> list[tuple[PrefillTask, list[FirstToken]]]:
         """One forward pass over the oldest pending tokens, within one chunk; who completed.
 
         The chunk is sized per pass (`_chunk_tokens`): once a decode beside this prefill
         wakes, the passes after it shrink, and each sizes its thread team anew.
         """
-        items: list[tuple[_Task, StepItem]] = []
+        items: list[tuple[PrefillTask, StepItem]] = []
         shares = self._pass_shares(pending)
         for task, chunk in zip(pending, shares):
             seq = task.seq
@@ -330,7 +291,7 @@ class PrefillWorker:
                 done.append((task, first_tokens(task.job, item.seq, logits[row])))
         return done
 
-    async def _answer(self, done: list[tuple[_Task, list[FirstToken]]],
+    async def _answer(self, done: list[tuple[PrefillTask, list[FirstToken]]],
                       behind_tokens: int = 0) -> None:
         """Finish the completed jobs, report the cache's changes, then answer their callers,
         or hold the hand-on of those whose decode would cut the `behind_tokens` prompt tokens
@@ -373,7 +334,7 @@ class PrefillWorker:
         self._hand_on.send(answers, behind_tokens,
                            self.chunks.tokens(self.runner.cores.others_step_s()))
 
-    def _pass_shares(self, pending: list[_Task]) -> list[int]:
+    def _pass_shares(self, pending: list[PrefillTask]) -> list[int]:
         """The prompt tokens each pending job computes in the next pass (`_chunk_tokens`); held
         hand-offs due before that pass would end go on first, and it is cut beside them."""
         bt = self.kv.layout.block_tokens
@@ -386,7 +347,7 @@ class PrefillWorker:
             shares = forward_shares(sizes, self._chunk_tokens(), bt)
         return shares
 
-    async def _fail_all(self, tasks: list[_Task], exc: BaseException) -> None:
+    async def _fail_all(self, tasks: list[PrefillTask], exc: BaseException) -> None:
         """Abort the store reservations of unanswered jobs, then fail them with `exc`."""
         for task in tasks:
             stream, task.stream = task.stream, None
@@ -398,7 +359,7 @@ class PrefillWorker:
                                 task.job.request_id, abort_exc)
             self._fail(task, exc)
 
-    def _fail(self, task: _Task, exc: BaseException) -> None:
+    def _fail(self, task: PrefillTask, exc: BaseException) -> None:
         """Free what the job holds and hand `exc` to its caller."""
         if task.seq is not None and task.seq.block_ids:
             self.cache.release(task.seq.block_ids)
@@ -407,7 +368,7 @@ class PrefillWorker:
             task.done.set_exception(exc if isinstance(exc, Exception)
                                     else RuntimeError("prefill interrupted"))
 
-    async def _prepare(self, task: _Task) -> None:
+    async def _prepare(self, task: PrefillTask) -> None:
         """Blocks for the job: local cache hits, store reads, fresh ones; the layer stream."""
         job, bt = task.job, self.kv.layout.block_tokens
         task.started = time.perf_counter()
@@ -447,7 +408,7 @@ class PrefillWorker:
             except StoreError as exc:
                 log.warning("cannot reserve store space, writing after the forward: %s", exc)
 
-    async def _finish(self, task: _Task, first: PrefillFirst) -> PrefillResult:
+    async def _finish(self, task: PrefillTask, first: PrefillFirst) -> PrefillResult:
         """Checksums, the store writes committed, full blocks kept in the local cache."""
         seq, bt = task.seq, self.kv.layout.block_tokens
         assert seq is not None
