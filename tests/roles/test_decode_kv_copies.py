@@ -5,14 +5,11 @@ from that block and answers as if it had loaded its own prefill's KV; it is neve
 from __future__ import annotations
 
 import asyncio
-import copy
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from prometheus_client import CollectorRegistry, Counter
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from mooncake_server.engine.attention import register_paged_attention
 from mooncake_server.engine.kv_cache import KVLayout, PagedKVCache
 from mooncake_server.engine.loop import EngineLoop, EngineMetrics
 from mooncake_server.engine.model_runner import ModelRunner, StepItem
@@ -44,19 +41,6 @@ class StoreCopies:
 
     async def remove(self, keys: list[str]) -> None:
         return None
-
-
-def tiny_models() -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(HF's reference with sdpa, the same weights with our paged attention)."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=None, bos_token_id=1, pad_token_id=0)
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
-    paged = AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
-                                             attn_implementation=register_paged_attention())
-    paged.load_state_dict(ref.state_dict())
-    return ref, paged.eval()
 
 
 def prefill(runner: ModelRunner, prompt: list[int]) -> tuple[int, list[torch.Tensor], list[int]]:
@@ -102,8 +86,8 @@ async def decode(model: torch.nn.Module, prompt: list[int],
     return tokens, values
 
 
-def test_another_writers_copy_of_a_block_is_recomputed_not_refused() -> None:
-    ref, model = tiny_models()
+def test_another_writers_copy_of_a_block_is_recomputed_not_refused(tiny_model_pair) -> None:
+    ref, model = tiny_model_pair
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(2, 250, (14,), generator=g).tolist()  # 3 full blocks and a tail
     ids = torch.tensor([prompt])
