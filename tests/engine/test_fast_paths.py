@@ -241,7 +241,7 @@ def test_a_shared_prefix_gets_the_same_kv_bits_however_passes_cut_it() -> None:
     prefix = torch.randint(2, 40_000, (40,), generator=g).tolist()
     a, b = (prefix + torch.randint(2, 40_000, (n,), generator=g).tolist() for n in (7, 13))
     alone = _kv_in_passes(runner, [b], chunk=64)[0]
-    for chunk in (10, 13, 22, 50):  # cut inside a block, each pass alike, they used to differ
+    for chunk in (10, 13, 22, 50):  # budgets that end inside a block (cut there, bits differed)
         together = _kv_in_passes(runner, [a, b], chunk)
         assert together[0][:2] == together[1][:2] == alone[:2], chunk
         assert together[1] == alone, chunk
