@@ -14,7 +14,7 @@ from mooncake_server.wire.jobs import PrefillFirst, PrefillJob, PrefillResult
 
 @dataclass
 class PrefillTask:
-    """A job inside the worker, from queued to answered."""
+    """A prefill job and what the worker keeps of it."""
 
     job: PrefillJob
     done: asyncio.Future[PrefillResult]
@@ -41,11 +41,12 @@ class PrefillTask:
     @property
     def answer_by(self) -> float | None:
         """The perf_counter() time its first token is due (None: no deadline)."""
-        within = self.job.answer_within_s
-        return None if within is None else self.queued_at + within
+        return self._after_queued(self.job.answer_within_s)
 
     @property
     def expect_by(self) -> float | None:
         """The perf_counter() time the conductor estimated its first token by (None: none)."""
-        within = self.job.expect_within_s
-        return None if within is None else self.queued_at + within
+        return self._after_queued(self.job.expect_within_s)
+
+    def _after_queued(self, within_s: float | None) -> float | None:
+        return None if within_s is None else self.queued_at + within_s
